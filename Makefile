@@ -1,0 +1,53 @@
+# Two commands work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+BIN    := $(VENV)/bin
+
+# Flags for the demo run; override e.g. `make demo DEMO_ARGS="--workers 4"`.
+DEMO_ARGS ?=
+# Extra pytest flags, e.g. `make test PYTEST_ARGS="-k round_table -x"`.
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck pytest proto install install-dev bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Stamps re-run the install whenever pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(VENV)/.installed $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(BIN)/lossreduce train $(DEMO_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(VENV)/.installed-dev
+	$(BIN)/mypy
+
+pytest: $(VENV)/.installed-dev
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+# Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
+proto: $(VENV)/.installed-dev
+	$(PY) proto/generate.py
+
+bench: $(VENV)/.installed
+	$(BIN)/lossreduce bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,19 @@
+"""lossreduce: validated global loss normalizers for distributed RL training.
+
+The package is spread over the repository's top-level folders (see
+``pyproject.toml``): ``lossreduce.v2`` is the wire contract and its generated
+binding (``proto/``), ``lossreduce.server`` the coordinator, ``lossreduce.client``
+the engine-side client and ``lossreduce.trainer_worker`` the reduction library,
+the Ray trainer workers and the training driver. This root package holds what
+every side shares: the rules every partial and normalizer must obey
+(``lossreduce.rules``) and the one exception hierarchy (``lossreduce.errors``).
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("lossreduce")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["__version__"]
