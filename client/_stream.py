@@ -1,0 +1,142 @@
+"""One long-lived ReduceStream shared by every reduce() call of a client.
+
+The coordinator answers a stream's requests in request order, so matching is
+FIFO: each send appends a waiter to a queue under the write lock (the queue's
+order is the wire order), and one reader task resolves waiters front to back.
+Several steps may be in flight at once (pipelining). If the stream breaks —
+the coordinator went away, the stream ended, or an answer does not match the
+round at the front of the queue — every waiter gets :class:`StreamBrokenError` and
+the client carries on with unary Reduce calls; contributions are idempotent,
+so re-sending what the broken stream may already have delivered is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from dataclasses import dataclass
+
+import grpc
+from google.rpc import code_pb2, status_pb2
+
+from lossreduce.client._transport import status_of
+from lossreduce.v2 import coordinator_pb2 as pb
+
+__all__ = ["ReduceStreamSession", "StreamBrokenError"]
+
+
+class StreamBrokenError(Exception):
+    """The shared stream failed before this request's answer arrived.
+
+    ``status`` is what broke it (UNAVAILABLE for a lost coordinator).
+    """
+
+    def __init__(self, status: status_pb2.Status) -> None:
+        super().__init__(status.message)
+        self.status = status
+
+
+@dataclass
+class _Waiter:
+    key: tuple[str, str, int]
+    future: asyncio.Future[pb.ReduceResponse]
+
+
+class ReduceStreamSession:
+    """One open ReduceStream call and its FIFO of waiting requests.
+
+    Owned by one client on one event loop; :meth:`close` cancels the reader
+    task and the call.
+    """
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._write_lock = asyncio.Lock()
+        # What broke the stream; each waiter gets its own StreamBrokenError.
+        self._broken: status_pb2.Status | None = None
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    async def submit(self, request: pb.ReduceRequest) -> pb.ReduceResponse:
+        """Send ``request`` and wait for its answer (raises StreamBrokenError)."""
+        if self._broken is not None:
+            raise StreamBrokenError(self._broken)
+        waiter = _Waiter(
+            key=(request.round.job, request.round.group, request.round.step),
+            future=asyncio.get_running_loop().create_future(),
+        )
+        async with self._write_lock:
+            if self._broken is not None:
+                raise StreamBrokenError(self._broken)
+            self._waiters.append(waiter)
+            try:
+                await self._call.write(request)
+            except asyncio.CancelledError:
+                # A write cut short leaves the stream's framing unknown.
+                self._break(_status(code_pb2.CANCELLED, "a stream write was cancelled"))
+                raise
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                self._break(_status_of(exc))
+        # If the caller gives up (deadline), the waiter stays queued so the
+        # answer that still arrives for it is matched and dropped, not misrouted.
+        return await waiter.future
+
+    async def close(self) -> None:
+        self._break(_status(code_pb2.CANCELLED, "the client closed the stream"))
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    self._break(_status(code_pb2.UNAVAILABLE, "the coordinator ended the stream"))
+                    return
+                assert isinstance(response, pb.ReduceResponse)
+                self._deliver(response)
+                if self._broken is not None:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            self._break(_status_of(exc))
+
+    def _deliver(self, response: pb.ReduceResponse) -> None:
+        key = (response.round.job, response.round.group, response.round.step)
+        if not self._waiters or self._waiters[0].key != key:
+            expected = self._waiters[0].key if self._waiters else "no request"
+            self._break(
+                _status(
+                    code_pb2.UNAVAILABLE,
+                    f"the stream answered round {key} while waiting for {expected}",
+                )
+            )
+            return
+        waiter = self._waiters.popleft()
+        if not waiter.future.done():
+            waiter.future.set_result(response)
+
+    def _break(self, status: status_pb2.Status) -> None:
+        if self._broken is None:
+            self._broken = status
+            self._call.cancel()
+        while self._waiters:
+            future = self._waiters.popleft().future
+            if not future.done():
+                future.set_exception(StreamBrokenError(self._broken))
+
+
+def _status(code: int, message: str) -> status_pb2.Status:
+    return status_pb2.Status(code=code, message=message)
+
+
+def _status_of(exc: Exception) -> status_pb2.Status:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return status_of(exc)
+    # The call already finished (e.g. the coordinator closed it): treat as lost.
+    return _status(code_pb2.UNAVAILABLE, f"stream write failed: {exc}")

@@ -1,0 +1,269 @@
+"""The asyncio client: the one implementation of a rank's side of a round.
+
+:class:`lossreduce.client.ReductionClient` runs this same class on a private
+event loop, so the retry, stream and error logic below exists once.
+
+A call goes out over the client's shared ReduceStream (or a unary Reduce when
+``use_stream`` is off or the stream broke), waits at most ``call_timeout_s``
+for the round, and on UNAVAILABLE retries with exponential backoff until the
+retry budget runs out. Every failure surfaces as one of the exceptions of
+:mod:`lossreduce.errors`, carrying this client's job, group, step and rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import random
+from collections.abc import Mapping
+from types import TracebackType
+
+import grpc
+from google.rpc import code_pb2, status_pb2
+
+from lossreduce.client._stream import ReduceStreamSession, StreamBrokenError
+from lossreduce.client._transport import open_channel, status_of
+from lossreduce.client._wire import (
+    PartialValue,
+    RoundContext,
+    RoundResult,
+    build_request,
+    closed_error,
+    deadline_error,
+    decode_status,
+    parse_response,
+    unavailable_error,
+)
+from lossreduce.client.retry import Backoff, RetryBudget
+from lossreduce.client.settings import ClientSettings
+from lossreduce.errors import ClientClosedError
+from lossreduce.v2 import coordinator_pb2 as pb
+from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncReductionClient", "ClientState"]
+
+_MAX_STEP = 2**64 - 1  # RoundKey.step is a uint64
+_MAX_RANK = 2**32 - 1  # rank and world_size are uint32
+
+
+class ClientState(enum.Enum):
+    """Lifecycle of a client: UNOPENED -> OPEN -> CLOSED (terminal)."""
+
+    UNOPENED = "unopened"
+    """Constructed; the channel opens on first use or on entering the context."""
+    OPEN = "open"
+    """The channel is open; reduce() may be called."""
+    CLOSED = "closed"
+    """close() was called; every later reduce() raises ClientClosedError."""
+
+
+class AsyncReductionClient:
+    """One rank's connection to the reduction coordinator (asyncio).
+
+    ::
+
+        async with AsyncReductionClient(
+            "127.0.0.1:50051", job="run-7", group="actor", rank=0, world_size=8
+        ) as client:
+            normalizers = await client.reduce(step, {"pg": tokens, "kl": tokens})
+
+    The client belongs to the event loop it is first used on. Concurrent
+    reduce() calls for different steps are fine: they are pipelined over the
+    one stream and answered in the order they were sent.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        job: str,
+        group: str,
+        rank: int,
+        world_size: int,
+        settings: ClientSettings | None = None,
+    ) -> None:
+        if not 1 <= world_size <= _MAX_RANK:
+            raise ValueError(f"job {job!r} rank {rank}: world_size={world_size} must be >= 1")
+        if not 0 <= rank <= _MAX_RANK:
+            raise ValueError(f"job {job!r}: rank={rank} must be >= 0")
+        # rank >= world_size is not rejected here: the coordinator rejects it
+        # and tells every peer which rank is misconfigured (see _wire).
+        self.target = target
+        self.job = job
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings if settings is not None else ClientSettings()
+        self._state = ClientState.UNOPENED
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.ReductionCoordinatorStub | None = None
+        self._stream: ReduceStreamSession | None = None
+        self._backoff = Backoff.from_settings(self.settings)
+        self._rng = random.Random()
+        self._closed = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.target!r}, job={self.job!r}, group={self.group!r}, "
+            f"rank={self.rank}, world_size={self.world_size}, state={self._state.value})"
+        )
+
+    @property
+    def state(self) -> ClientState:
+        return self._state
+
+    async def open(self) -> None:
+        """Open the channel (done implicitly by the first reduce())."""
+        self.check_open(None)
+        if self._state is ClientState.UNOPENED:
+            self._channel = open_channel(self.target, self.settings)
+            self._stub = pb_grpc.ReductionCoordinatorStub(self._channel)
+            self._state = ClientState.OPEN
+
+    async def close(self) -> None:
+        """Close the stream and the channel; calls still waiting raise ClientClosedError."""
+        if self._is_closed():
+            return
+        self._state = ClientState.CLOSED
+        self._closed.set()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.close()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def __aenter__(self) -> AsyncReductionClient:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def reduce(
+        self,
+        step: int,
+        partials: Mapping[str, PartialValue],
+        contracts: Mapping[str, str] | None = None,
+    ) -> dict[str, float]:
+        """This rank's partials for ``step`` in, the global normalizers out.
+
+        ``partials`` maps term names to this rank's partial normalizer (a Python
+        number or a 0-d tensor); ``contracts`` optionally maps terms to their
+        contract string (every rank must send the same). Returns term -> global
+        normalizer, identical on every rank. Raises a
+        :class:`lossreduce.errors.LossReduceError` subclass otherwise.
+        """
+        result = await self.reduce_detailed(step, partials, contracts)
+        return dict(result.normalizers)
+
+    async def reduce_detailed(
+        self,
+        step: int,
+        partials: Mapping[str, PartialValue],
+        contracts: Mapping[str, str] | None = None,
+    ) -> RoundResult:
+        """Like :meth:`reduce`, also returning how many ranks sent 0 per term."""
+        self.check_open(step)
+        ctx = self._context(step)
+        request = build_request(ctx, partials, contracts)
+        await self.open()
+        try:
+            return await self._reduce(ctx, request)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            # close() cancels the channel's calls; only a cancellation of the
+            # caller's own task should propagate as one.
+            if self._is_closed() and (task is None or not task.cancelling()):
+                raise self._closed_while_waiting(step) from None
+            raise
+
+    def check_open(self, step: int | None) -> None:
+        """Raise ClientClosedError (naming ``step`` if given) if the client was closed."""
+        if self._is_closed():
+            raise closed_error(self.job, self.group, self.rank, step, while_waiting=False)
+
+    def _is_closed(self) -> bool:
+        # A method, not an inline check: close() may run at any await, which
+        # mypy's narrowing of self._state cannot see.
+        return self._state is ClientState.CLOSED
+
+    def _context(self, step: int) -> RoundContext:
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _MAX_STEP:
+            raise ValueError(
+                f"job {self.job!r} group {self.group!r} rank {self.rank}: step={step!r} "
+                "must be an int in [0, 2**64)"
+            )
+        return RoundContext(self.job, self.group, step, self.rank, self.world_size)
+
+    def _closed_while_waiting(self, step: int) -> ClientClosedError:
+        return closed_error(self.job, self.group, self.rank, step, while_waiting=True)
+
+    async def _reduce(self, ctx: RoundContext, request: pb.ReduceRequest) -> RoundResult:
+        loop = asyncio.get_running_loop()
+        budget = RetryBudget(self._backoff, self.settings.retry_budget_s, self._rng)
+        via_stream = self.settings.use_stream
+        while True:
+            if self._is_closed():
+                raise self._closed_while_waiting(ctx.step)
+            budget.record_attempt()
+            try:
+                response = await self._attempt(request, via_stream)
+            except StreamBrokenError as exc:
+                if self._is_closed():
+                    raise self._closed_while_waiting(ctx.step) from None
+                # The shared stream is gone; finish this call with unary Reduce.
+                via_stream = False
+                status = exc.status
+            except TimeoutError:
+                raise deadline_error(ctx, self.target, self.settings.call_timeout_s) from None
+            except grpc.aio.AioRpcError as exc:
+                status = status_of(exc)
+                self._raise_unless_retryable(status, ctx)
+            else:
+                if response.error.code == code_pb2.OK:
+                    return parse_response(response, ctx)
+                status = response.error
+                self._raise_unless_retryable(status, ctx)
+            delay = budget.failed(loop.time())
+            if delay is None:
+                raise unavailable_error(
+                    ctx, self.target, budget.attempts, budget.elapsed(loop.time()), status
+                )
+            # Sleep, but wake at once if the client is closed meanwhile.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), delay)
+
+    def _raise_unless_retryable(self, status: status_pb2.Status, ctx: RoundContext) -> None:
+        if status.code == code_pb2.UNAVAILABLE:
+            return
+        if status.code == code_pb2.DEADLINE_EXCEEDED:
+            raise deadline_error(ctx, self.target, self.settings.call_timeout_s)
+        if status.code == code_pb2.CANCELLED and self._is_closed():
+            raise self._closed_while_waiting(ctx.step)
+        raise decode_status(status, ctx)
+
+    async def _attempt(self, request: pb.ReduceRequest, via_stream: bool) -> pb.ReduceResponse:
+        assert self._stub is not None, "open() runs before any attempt"
+        timeout = self.settings.call_timeout_s
+        if via_stream:
+            session = await self._stream_session()
+            return await asyncio.wait_for(session.submit(request), timeout)
+        response: pb.ReduceResponse = await self._stub.Reduce(request, timeout=timeout)
+        return response
+
+    async def _stream_session(self) -> ReduceStreamSession:
+        """The shared stream, reopened if the previous one broke."""
+        assert self._stub is not None, "open() runs before any attempt"
+        current = self._stream
+        if current is not None and not current.broken:
+            return current
+        session = self._stream = ReduceStreamSession(self._stub.ReduceStream())
+        if current is not None:
+            await current.close()
+        return session

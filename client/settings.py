@@ -1,0 +1,120 @@
+"""Settings of the engine-side client, and the gRPC channel options they imply.
+
+One pydantic model, every field described, so a trainer config can embed it and
+validate it once. Credentials (a bearer token and TLS) are not here yet: the
+security issue adds them as fields of this model and turns them into channel
+credentials in :func:`lossreduce.client._channel.open_channel`, the only place
+a channel is created.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["BASE_CHANNEL_OPTIONS", "ClientSettings", "channel_options"]
+
+BASE_CHANNEL_OPTIONS: Final[tuple[tuple[str, int | str], ...]] = (
+    # A worker talks to one coordinator; a dedicated subchannel per client keeps
+    # one client's broken connection from failing another client's calls.
+    ("grpc.use_local_subchannel_pool", 1),
+    # The client retries UNAVAILABLE itself (see retry.py) with its own budget;
+    # gRPC's transparent retries would hide attempts from that budget.
+    ("grpc.enable_retries", 0),
+)
+"""Channel options every client uses, whatever its settings."""
+
+
+class ClientSettings(BaseModel):
+    """How a client talks to the coordinator: deadlines, retries, transport."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    call_timeout_s: float = Field(
+        default=330.0,
+        gt=0,
+        description=(
+            "Deadline of one attempt of one reduce() call, in seconds. A call waits for "
+            "every rank of the round, so keep it above the coordinator's round timeout "
+            "(300 s by default): the coordinator then reports missing ranks itself."
+        ),
+    )
+    retry_budget_s: float = Field(
+        default=60.0,
+        ge=0,
+        description=(
+            "How long one reduce() keeps retrying while the coordinator is unavailable, "
+            "in seconds, counted from the first failed attempt. 0 disables retries."
+        ),
+    )
+    initial_backoff_s: float = Field(
+        default=0.05, gt=0, description="Delay before the first retry, in seconds."
+    )
+    max_backoff_s: float = Field(
+        default=2.0, gt=0, description="Upper bound of the delay between two retries, in seconds."
+    )
+    backoff_multiplier: float = Field(
+        default=2.0, ge=1.0, description="Factor by which the delay grows after each retry."
+    )
+    jitter: float = Field(
+        default=0.2,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Relative random spread of each delay (0.2: +-20%), so many ranks that lost "
+            "the coordinator at once do not reconnect in lockstep."
+        ),
+    )
+    use_stream: bool = Field(
+        default=True,
+        description=(
+            "Send contributions over one long-lived ReduceStream per client; False uses "
+            "one unary Reduce call per round. A broken stream falls back to Reduce for "
+            "the calls it carried."
+        ),
+    )
+    keepalive_time_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Interval of HTTP/2 keepalive pings on an idle connection, in seconds.",
+    )
+    keepalive_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long to wait for a keepalive ping's answer before the connection is considered dead, in seconds.",
+    )
+    max_message_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest message the client sends or accepts, in bytes.",
+    )
+
+    @model_validator(mode="after")
+    def _backoff_bounds(self) -> ClientSettings:
+        if self.initial_backoff_s > self.max_backoff_s:
+            raise ValueError(
+                f"initial_backoff_s={self.initial_backoff_s} must not exceed "
+                f"max_backoff_s={self.max_backoff_s}"
+            )
+        return self
+
+
+def channel_options(settings: ClientSettings) -> list[tuple[str, int | str]]:
+    """The gRPC channel options for ``settings`` (keepalive, sizes, reconnects)."""
+    backoff_ms = round(settings.initial_backoff_s * 1000)
+    return [
+        *BASE_CHANNEL_OPTIONS,
+        ("grpc.keepalive_time_ms", round(settings.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", round(settings.keepalive_timeout_s * 1000)),
+        # Streams sit idle between steps; keep pinging so a dead coordinator is noticed.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        # Reconnect on the client's own backoff schedule: gRPC's default waits up to
+        # 120 s between connection attempts, far longer than the retry budget.
+        ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+        ("grpc.min_reconnect_backoff_ms", backoff_ms),
+        ("grpc.max_reconnect_backoff_ms", round(settings.max_backoff_s * 1000)),
+    ]
