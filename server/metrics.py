@@ -1,0 +1,187 @@
+"""The coordinator's Prometheus metrics, one registry per coordinator.
+
+:class:`CoordinatorMetrics` is the round table's observer: it turns what the
+table does into the ``lossreduce_*`` series that ``deploy/`` dashboards and
+alerts are written against. Label sets are bounded by job, group, term,
+outcome, reason, method and code: never per rank or per step, so a long job
+keeps a fixed number of series.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from lossreduce import __version__
+
+from .outcomes import Outcome, OutcomeKind, RejectReason, RoundKey
+
+__all__ = ["DURATION_BUCKETS_S", "CoordinatorMetrics", "MetricsServer"]
+
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    # 100 µs .. 300 s (the default round timeout), roughly x2.5 per bucket.
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+"""Buckets of the round duration and straggler wait histograms, in seconds."""
+
+
+@dataclass(slots=True)
+class _GroupSeries:
+    """A group's labelled children, bound once: ``labels()`` per contribution is costly."""
+
+    contributions: Counter
+    retries: Counter
+    in_flight: Gauge
+    duration: Histogram
+    straggler: Histogram
+    rounds: dict[OutcomeKind, Counter] = field(default_factory=dict)
+
+
+class CoordinatorMetrics:
+    """Every coordinator metric, in its own :class:`CollectorRegistry`.
+
+    Implements :class:`lossreduce.server.outcomes.RoundObserver`.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        jg = ("job", "group")
+        self.rounds = Counter(
+            "lossreduce_rounds", "Rounds finished, by outcome.", (*jg, "outcome"), registry=r
+        )
+        self.round_duration = Histogram(
+            "lossreduce_round_duration_seconds",
+            "Seconds from a round's first arrival to its answer.",
+            jg,
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.straggler_wait = Histogram(
+            "lossreduce_straggler_wait_seconds",
+            "Seconds between the last two arrivals of a round (how long the slowest rank held it).",
+            jg,
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.contributions = Counter(
+            "lossreduce_contributions",
+            "New contributions accepted (retries excluded).",
+            jg,
+            registry=r,
+        )
+        self.retries = Counter(
+            "lossreduce_retries_deduplicated",
+            "Identical re-sent contributions answered without counting them again.",
+            jg,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "lossreduce_rounds_in_flight", "Rounds still collecting contributions.", jg, registry=r
+        )
+        self.global_normalizer = Gauge(
+            "lossreduce_global_normalizer",
+            "Global normalizer of each term in the group's last completed round.",
+            (*jg, "term"),
+            registry=r,
+        )
+        self.zero_partial_ranks = Gauge(
+            "lossreduce_zero_partial_ranks",
+            "Ranks that sent a zero partial for the term in the group's last completed round.",
+            (*jg, "term"),
+            registry=r,
+        )
+        self.rejected = Counter(
+            "lossreduce_rejected_partials",
+            "Contributions refused, by reason.",
+            (*jg, "reason"),
+            registry=r,
+        )
+        self.rpc_errors = Counter(
+            "lossreduce_rpc_errors",
+            "RPCs answered with an error, by method and gRPC status code.",
+            ("method", "code"),
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "lossreduce_build_info",
+            "Always 1; the labels name the running versions.",
+            ("version", "python_version", "grpc_version"),
+            registry=r,
+        )
+        self.build_info.labels(__version__, platform.python_version(), grpc.__version__).set(1)
+        self._groups: dict[tuple[str, str], _GroupSeries] = {}
+
+    def _series(self, key: RoundKey) -> _GroupSeries:
+        series = self._groups.get((key.job, key.group))
+        if series is None:
+            jg = (key.job, key.group)
+            series = _GroupSeries(
+                contributions=self.contributions.labels(*jg),
+                retries=self.retries.labels(*jg),
+                in_flight=self.in_flight.labels(*jg),
+                duration=self.round_duration.labels(*jg),
+                straggler=self.straggler_wait.labels(*jg),
+            )
+            self._groups[jg] = series
+        return series
+
+    # -- RoundObserver ----------------------------------------------------------
+
+    def round_started(self, key: RoundKey) -> None:
+        self._series(key).in_flight.inc()
+
+    def contribution_accepted(self, key: RoundKey, *, retry: bool) -> None:
+        series = self._series(key)
+        (series.retries if retry else series.contributions).inc()
+
+    def contribution_rejected(self, key: RoundKey, reason: RejectReason) -> None:
+        self.rejected.labels(key.job, key.group, reason.value).inc()
+
+    def round_finished(
+        self, key: RoundKey, outcome: Outcome, *, duration_s: float, straggler_wait_s: float | None
+    ) -> None:
+        series = self._series(key)
+        series.in_flight.dec()
+        counter = series.rounds.get(outcome.kind)
+        if counter is None:
+            counter = series.rounds[outcome.kind] = self.rounds.labels(
+                key.job, key.group, outcome.kind.value
+            )
+        counter.inc()
+        series.duration.observe(duration_s)
+        if straggler_wait_s is not None:
+            series.straggler.observe(straggler_wait_s)
+        for normalizer in outcome.normalizers:
+            labels = (key.job, key.group, normalizer.term)
+            self.global_normalizer.labels(*labels).set(normalizer.value)
+            self.zero_partial_ranks.labels(*labels).set(normalizer.zero_ranks)
+
+    # -- the servicer's own -----------------------------------------------------
+
+    def rpc_error(self, method: str, code: grpc.StatusCode) -> None:
+        self.rpc_errors.labels(method, code.name).inc()
+
+
+class MetricsServer:
+    """The ``/metrics`` HTTP endpoint of one registry, on its own thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server: WSGIServer
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host = host
+        self.port: int = self._server.server_port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

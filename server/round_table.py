@@ -1,0 +1,605 @@
+"""The round state machine: pure, synchronous, clock passed in.
+
+A round is one ``(job, group, step)``. Each rank contributes once; the round
+ends when every rank has arrived (sums in rank order with ``math.fsum``, then
+every global normalizer is checked), when a contribution is invalid or
+disagrees with the round's contract (immediately, for every rank, including
+ranks that arrive later), at its deadline, or at shutdown. Finished rounds stay
+in a bounded per-group cache so a retry gets the identical outcome; a step that
+fell out of the cache or behind the retained window is refused as stale rather
+than collected twice.
+
+Nothing here knows about gRPC or asyncio: the servicer passes ``now`` in,
+schedules each round's deadline itself, and keeps its own per-round state in
+:attr:`Round.handle`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from lossreduce.errors import (
+    ConflictingContributionError,
+    ContractMismatchError,
+    CoordinatorUnavailableError,
+    EmptyNormalizerError,
+    InvalidPartialError,
+    LimitExceededError,
+    LossReduceError,
+    RoundAbortedError,
+    RoundTimeoutError,
+    StaleRoundError,
+    describe_round,
+    format_terms,
+)
+from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
+
+from .outcomes import (
+    Outcome,
+    OutcomeKind,
+    OutcomeStore,
+    RejectReason,
+    RoundKey,
+    RoundObserver,
+    TermNormalizerValue,
+)
+from .settings import CoordinatorSettings
+
+__all__ = ["Admission", "Contribution", "Round", "RoundTable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One rank's request for one round: its partial per term, in its own order."""
+
+    rank: int
+    world_size: int
+    terms: tuple[str, ...]
+    values: tuple[float, ...]
+    contracts: tuple[str, ...]
+
+
+class Round:
+    """A live or finished round. Read-only outside the table except :attr:`handle`."""
+
+    __slots__ = (
+        "arrived",
+        "contributions",
+        "created_at",
+        "deadline",
+        "finished_at",
+        "handle",
+        "key",
+        "last_arrival",
+        "outcome",
+        "previous_arrival",
+        "reference",
+    )
+
+    def __init__(
+        self, key: RoundKey, reference: Contribution, now: float, timeout_s: float
+    ) -> None:
+        self.key = key
+        # The first contribution fixes world size, term names and contracts for the round.
+        self.reference = reference
+        # Indexed by rank; the world size is bounded by max_world_size before a round opens.
+        self.contributions: list[Contribution | None] = [None] * reference.world_size
+        self.arrived = 0
+        self.created_at = now
+        self.deadline = now + timeout_s
+        self.last_arrival = now
+        self.previous_arrival: float | None = None
+        self.finished_at: float | None = None
+        self.outcome: Outcome | None = None
+        self.handle: Any = None
+        """Free for the adapter driving the table (the servicer's waiters and timer)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.reference.world_size
+
+    def contribution_of(self, rank: int) -> Contribution | None:
+        return self.contributions[rank] if rank < len(self.contributions) else None
+
+    def arrived_ranks(self) -> list[int]:
+        return [r for r, c in enumerate(self.contributions) if c is not None]
+
+    def missing_ranks(self) -> list[int]:
+        if self.outcome is not None and self.outcome.kind is OutcomeKind.COMPLETED:
+            return []
+        return [r for r, c in enumerate(self.contributions) if c is None]
+
+    def partial_sums(self) -> tuple[TermNormalizerValue, ...]:
+        """Per-term exact sums of what has arrived (the normalizers once completed)."""
+        if self.outcome is not None and self.outcome.kind is OutcomeKind.COMPLETED:
+            return self.outcome.normalizers
+        return _sum_terms(self.reference.terms, [c for c in self.contributions if c is not None])
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What :meth:`RoundTable.contribute` did with one contribution.
+
+    ``error`` is this request's own answer when it was refused (the round, if
+    any, is unaffected). Otherwise the answer is ``round.outcome`` once the
+    round has one (``Outcome.error_for(rank)``). ``created`` says a new round
+    was opened (schedule its deadline); ``finished`` that this contribution
+    ended it (wake its waiters).
+    """
+
+    round: Round | None
+    error: LossReduceError | None = None
+    created: bool = False
+    finished: bool = False
+
+
+class _Group:
+    __slots__ = ("finished", "last_activity", "live", "newest_step", "stale_floor")
+
+    def __init__(self, now: float) -> None:
+        self.live: dict[int, Round] = {}
+        self.finished: OrderedDict[int, Round] = OrderedDict()
+        self.newest_step = -1
+        # Steps at or below this were evicted from the cache; a new round for
+        # them could double-count a retry, so they are refused as stale.
+        self.stale_floor = -1
+        self.last_activity = now
+
+
+def _sum_terms(
+    terms: tuple[str, ...], contributions: list[Contribution]
+) -> tuple[TermNormalizerValue, ...]:
+    # Rows in rank order, columns in the reference term order: [ranks, terms].
+    rows = [c.values if c.terms == terms else _reorder(c, terms) for c in contributions]
+    if not rows:
+        return tuple(TermNormalizerValue(t, 0.0, 0) for t in terms)
+    return tuple(
+        TermNormalizerValue(term, exact_sum(column), column.count(0.0))
+        for term, column in zip(terms, zip(*rows, strict=True), strict=True)
+    )
+
+
+def _reorder(contribution: Contribution, terms: tuple[str, ...]) -> tuple[float, ...]:
+    by_term = dict(zip(contribution.terms, contribution.values, strict=True))
+    return tuple(by_term[t] for t in terms)
+
+
+class _Invalid(NamedTuple):
+    """Why one contribution is invalid on its own (before looking at its round)."""
+
+    detail: str
+    reason: RejectReason
+    terms: tuple[str, ...] = ()
+    values: tuple[float, ...] = ()
+
+
+def _validate(c: Contribution) -> _Invalid | None:
+    if c.rank >= c.world_size:
+        return _Invalid(
+            f"is outside world_size {c.world_size} (ranks are 0..{c.world_size - 1})",
+            RejectReason.RANK_OUT_OF_RANGE,
+        )
+    if not c.terms:
+        return _Invalid("sent no partials", RejectReason.BAD_TERM_NAME)
+    for term in c.terms:
+        problem = check_term_name(term)
+        if problem is not None:
+            return _Invalid(
+                f"sent a malformed term: {problem}", RejectReason.BAD_TERM_NAME, (term,)
+            )
+    if len(set(c.terms)) != len(c.terms):
+        dupes = tuple(sorted({t for t in c.terms if c.terms.count(t) > 1}))
+        return _Invalid(
+            f"sent terms {list(dupes)} more than once", RejectReason.DUPLICATE_TERM, dupes
+        )
+    bad = [(t, v, p) for t, v in zip(c.terms, c.values, strict=True) if (p := check_partial(v))]
+    if not bad:
+        return None
+    terms = tuple(t for t, _, _ in bad)
+    values = tuple(v for _, v, _ in bad)
+    return _Invalid(
+        f"sent invalid partial {format_terms(terms, values)}; partials must be finite and >= 0",
+        RejectReason(bad[0][2].value),
+        terms,
+        values,
+    )
+
+
+def _mismatch(key: RoundKey, ref: Contribution, c: Contribution) -> ContractMismatchError | None:
+    """The contract disagreement between ``c`` and the round's first contribution, if any."""
+    if c.world_size == ref.world_size and c.terms == ref.terms and c.contracts == ref.contracts:
+        return None
+    detail: str | None = None
+    terms: tuple[str, ...] = ()
+    if c.world_size != ref.world_size:
+        detail = f"world_size {c.world_size} but rank {ref.rank} sent world_size {ref.world_size}"
+    elif set(c.terms) != set(ref.terms):
+        detail = f"terms {sorted(c.terms)} but rank {ref.rank} sent terms {sorted(ref.terms)}"
+        terms = tuple(sorted(set(c.terms) ^ set(ref.terms)))
+    else:
+        ref_contracts = dict(zip(ref.terms, ref.contracts, strict=True))
+        for term, contract in zip(c.terms, c.contracts, strict=True):
+            if contract != ref_contracts[term]:
+                detail = (
+                    f"contract {contract!r} for term {term!r} "
+                    f"but rank {ref.rank} sent {ref_contracts[term]!r}"
+                )
+                terms = (term,)
+                break
+    if detail is None:
+        return None  # same terms and contracts, in another order
+    return ContractMismatchError(
+        f"{describe_round(*key)}: rank {c.rank} sent {detail}",
+        job=key.job,
+        group=key.group,
+        step=key.step,
+        terms=terms,
+        ranks=(ref.rank, c.rank),
+    )
+
+
+class RoundTable:
+    """Every live and recently finished round of every job and group.
+
+    Not thread-safe: one owner (the servicer's event loop) calls it.
+    """
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        *,
+        observer: RoundObserver | None = None,
+        store: OutcomeStore | None = None,
+    ) -> None:
+        self._settings = settings
+        self._observer = observer
+        self._store = store
+        self._jobs: dict[str, dict[str, _Group]] = {}
+        self._live_count = 0
+        self._closing = False
+
+    @property
+    def live_count(self) -> int:
+        """Rounds still collecting, over every job and group."""
+        return self._live_count
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def contribute(self, key: RoundKey, c: Contribution, now: float) -> Admission:
+        """Add one rank's contribution; see :class:`Admission` for the answer."""
+        limit_error = self._check_request_limits(key, c)
+        if limit_error is not None:
+            return Admission(None, limit_error)
+        group = self._jobs.get(key.job, {}).get(key.group)
+        rnd = self._find(group, key)
+        created = False
+        if rnd is None:
+            refusal = self._refuse_new_round(group, key)
+            if refusal is not None:
+                return Admission(None, refusal)
+            group = group or self._add_group(key, now)
+            rnd = self._open(group, key, c, now)
+            created = True
+        if group is not None:
+            group.last_activity = now
+
+        previous = rnd.contribution_of(c.rank)
+        if previous is not None:
+            if previous == c:
+                self._notify_accepted(key, retry=True)
+                return Admission(rnd)
+            return self._conflict(key, previous, c)
+
+        invalid = _validate(c)
+        if invalid is not None:
+            return self._reject_invalid(rnd, c.rank, invalid, now, created)
+        if rnd.outcome is not None:
+            # A late or restarted rank of a round that already ended gets that ending.
+            return Admission(rnd)
+
+        mismatch = _mismatch(key, rnd.reference, c)
+        if mismatch is not None:
+            self._finish(rnd, Outcome(key, OutcomeKind.CONTRACT_MISMATCH, error=mismatch), now)
+            return Admission(rnd, created=created, finished=True)
+
+        rnd.contributions[c.rank] = c
+        rnd.arrived += 1
+        rnd.previous_arrival, rnd.last_arrival = rnd.last_arrival, now
+        self._notify_accepted(key, retry=False)
+        if rnd.arrived < rnd.world_size:
+            return Admission(rnd, created=created)
+        self._finish(rnd, self._complete(rnd), now)
+        return Admission(rnd, created=created, finished=True)
+
+    def time_out(self, rnd: Round, now: float) -> bool:
+        """End ``rnd`` as timed out if it is still collecting; True when it ended now."""
+        if rnd.outcome is not None:
+            return False
+        missing = rnd.missing_ranks()
+        key = rnd.key
+        err = RoundTimeoutError(
+            f"{describe_round(*key)}: timed out after {self._settings.round_timeout_s:g} s "
+            f"waiting for ranks {missing} ({len(missing)} of {rnd.world_size} missing)",
+            job=key.job,
+            group=key.group,
+            step=key.step,
+            ranks=missing,
+        )
+        self._finish(rnd, Outcome(key, OutcomeKind.ABORTED_TIMEOUT, error=err), now)
+        return True
+
+    def expire(self, now: float) -> list[Round]:
+        """Time out every round past its deadline and forget idle groups.
+
+        Returns the rounds that ended now. The servicer normally times rounds
+        out one by one with :meth:`time_out`; this sweep is the backstop.
+        """
+        ended = [
+            rnd
+            for groups in self._jobs.values()
+            for group in groups.values()
+            for rnd in list(group.live.values())
+            if rnd.deadline <= now and self.time_out(rnd, now)
+        ]
+        ttl = self._settings.idle_group_ttl_s
+        for job, groups in list(self._jobs.items()):
+            for name, group in list(groups.items()):
+                if not group.live and now - group.last_activity >= ttl:
+                    del groups[name]
+            if not groups:
+                del self._jobs[job]
+        return ended
+
+    def close(self) -> None:
+        """Refuse new rounds from now on; live rounds may still complete."""
+        self._closing = True
+
+    def abort_all(self, now: float) -> list[Round]:
+        """End every live round as abandoned by a shutting-down coordinator."""
+        ended: list[Round] = []
+        for groups in self._jobs.values():
+            for group in groups.values():
+                for rnd in list(group.live.values()):
+                    key = rnd.key
+                    err = CoordinatorUnavailableError(
+                        f"{describe_round(*key)}: the coordinator shut down before ranks "
+                        f"{rnd.missing_ranks()} arrived",
+                        job=key.job,
+                        group=key.group,
+                        step=key.step,
+                        ranks=rnd.missing_ranks(),
+                    )
+                    self._finish(rnd, Outcome(key, OutcomeKind.ABORTED_SHUTDOWN, error=err), now)
+                    ended.append(rnd)
+        return ended
+
+    def lookup(self, key: RoundKey) -> Round | None:
+        """The live or cached round ``key``, or None."""
+        return self._find(self._jobs.get(key.job, {}).get(key.group), key, use_store=False)
+
+    def rounds(self, job: str = "") -> list[Round]:
+        """Live then recently finished rounds of ``job`` (every job when empty)."""
+        jobs = [self._jobs.get(job, {})] if job else list(self._jobs.values())
+        return [
+            rnd
+            for groups in jobs
+            for group in groups.values()
+            for rnd in (*group.live.values(), *reversed(group.finished.values()))
+        ]
+
+    # -- internals --------------------------------------------------------------
+
+    def _check_request_limits(self, key: RoundKey, c: Contribution) -> LossReduceError | None:
+        s = self._settings
+        for name, value, limit in (
+            ("max_terms", len(c.terms), s.max_terms),
+            ("max_world_size", c.world_size, s.max_world_size),
+        ):
+            if value > limit:
+                return self._limit(key, c.rank, name, f"{name.removeprefix('max_')} {value}", limit)
+        if c.world_size == 0:
+            return InvalidPartialError(
+                f"{describe_round(*key)}: rank {c.rank} sent world_size 0",
+                job=key.job,
+                group=key.group,
+                step=key.step,
+                rank=c.rank,
+                ranks=(c.rank,),
+            )
+        return None
+
+    @staticmethod
+    def _limit(
+        key: RoundKey, rank: int | None, name: str, what: str, limit: int
+    ) -> LimitExceededError:
+        return LimitExceededError(
+            f"{describe_round(*key)}: {what} exceeds the coordinator limit {name}={limit}",
+            job=key.job,
+            group=key.group,
+            step=key.step,
+            rank=rank,
+            limit=name,
+        )
+
+    def _find(self, group: _Group | None, key: RoundKey, *, use_store: bool = True) -> Round | None:
+        if group is not None:
+            rnd = group.live.get(key.step) or group.finished.get(key.step)
+            if rnd is not None:
+                return rnd
+        if use_store and self._store is not None:
+            outcome = self._store.get(key)
+            if outcome is not None:
+                return _restored(outcome)
+        return None
+
+    def _refuse_new_round(self, group: _Group | None, key: RoundKey) -> LossReduceError | None:
+        s = self._settings
+        if self._closing:
+            return CoordinatorUnavailableError(
+                f"{describe_round(*key)}: the coordinator is shutting down and opens no new rounds",
+                job=key.job,
+                group=key.group,
+                step=key.step,
+            )
+        if group is None:
+            groups = self._jobs.get(key.job)
+            if groups is None and len(self._jobs) >= s.max_jobs:
+                return self._limit(key, None, "max_jobs", f"job {len(self._jobs) + 1}", s.max_jobs)
+            if groups is not None and len(groups) >= s.max_groups_per_job:
+                return self._limit(
+                    key,
+                    None,
+                    "max_groups_per_job",
+                    f"group {len(groups) + 1}",
+                    s.max_groups_per_job,
+                )
+            return None
+        floor = max(group.stale_floor, group.newest_step - s.retained_steps)
+        if key.step <= floor:
+            return StaleRoundError(
+                f"{describe_round(*key)}: step is stale; the newest step of the group is "
+                f"{group.newest_step} and steps up to {floor} are no longer retained "
+                f"(retained_steps={s.retained_steps}, finished_cache_size={s.finished_cache_size})",
+                job=key.job,
+                group=key.group,
+                step=key.step,
+                limit="retained_steps",
+            )
+        if len(group.live) >= s.max_rounds_in_flight:
+            return self._limit(
+                key,
+                None,
+                "max_rounds_in_flight",
+                f"round {len(group.live) + 1} in flight",
+                s.max_rounds_in_flight,
+            )
+        return None
+
+    def _add_group(self, key: RoundKey, now: float) -> _Group:
+        group = _Group(now)
+        self._jobs.setdefault(key.job, {})[key.group] = group
+        return group
+
+    def _open(self, group: _Group, key: RoundKey, c: Contribution, now: float) -> Round:
+        rnd = Round(key, c, now, self._settings.round_timeout_s)
+        group.live[key.step] = rnd
+        group.newest_step = max(group.newest_step, key.step)
+        self._live_count += 1
+        if self._observer is not None:
+            self._observer.round_started(key)
+        return rnd
+
+    def _notify_accepted(self, key: RoundKey, *, retry: bool) -> None:
+        if self._observer is not None:
+            self._observer.contribution_accepted(key, retry=retry)
+
+    def _notify_rejected(self, key: RoundKey, reason: RejectReason) -> None:
+        if self._observer is not None:
+            self._observer.contribution_rejected(key, reason)
+
+    def _conflict(self, key: RoundKey, previous: Contribution, c: Contribution) -> Admission:
+        self._notify_rejected(key, RejectReason.CONFLICTING)
+        before = format_terms(previous.terms, previous.values)
+        after = format_terms(c.terms, c.values)
+        err = ConflictingContributionError(
+            f"{describe_round(*key)}: rank {c.rank} already contributed {before} "
+            f"(world_size {previous.world_size}) and now sent {after} (world_size {c.world_size}); "
+            "the round keeps the first contribution",
+            job=key.job,
+            group=key.group,
+            step=key.step,
+            rank=c.rank,
+            terms=c.terms,
+            values=c.values,
+            ranks=(c.rank,),
+        )
+        return Admission(None, err)
+
+    def _reject_invalid(
+        self, rnd: Round, rank: int, invalid: _Invalid, now: float, created: bool
+    ) -> Admission:
+        key = rnd.key
+        where = describe_round(*key)
+        culprit = InvalidPartialError(
+            f"{where}: rank {rank} {invalid.detail}",
+            job=key.job,
+            group=key.group,
+            step=key.step,
+            rank=rank,
+            terms=invalid.terms,
+            values=invalid.values,
+            ranks=(rank,),
+        )
+        outcome = rnd.outcome
+        if outcome is not None:
+            if outcome.culprit is not None and outcome.culprit.rank == rank:
+                return Admission(rnd)  # the culprit retrying gets its own answer again
+            self._notify_rejected(key, invalid.reason)
+            return Admission(None, culprit)
+        self._notify_rejected(key, invalid.reason)
+        aborted = RoundAbortedError(
+            f"{where}: aborted because rank {rank} {invalid.detail}",
+            job=key.job,
+            group=key.group,
+            step=key.step,
+            terms=invalid.terms,
+            values=invalid.values,
+            ranks=(rank,),
+        )
+        outcome = Outcome(key, OutcomeKind.ABORTED_INVALID, error=aborted, culprit=culprit)
+        self._finish(rnd, outcome, now)
+        return Admission(rnd, created=created, finished=True)
+
+    def _complete(self, rnd: Round) -> Outcome:
+        key = rnd.key
+        contributions = [c for c in rnd.contributions if c is not None]
+        normalizers = _sum_terms(rnd.reference.terms, contributions)
+        bad = [n for n in normalizers if check_global_normalizer(n.value) is not None]
+        if not bad:
+            return Outcome(key, OutcomeKind.COMPLETED, normalizers=normalizers)
+        terms = tuple(n.term for n in bad)
+        values = tuple(n.value for n in bad)
+        err = EmptyNormalizerError(
+            f"{describe_round(*key)}: global normalizer {format_terms(terms, values)} is not "
+            "finite and > 0; no rank may run backward for this step",
+            job=key.job,
+            group=key.group,
+            step=key.step,
+            terms=terms,
+            values=values,
+        )
+        return Outcome(key, OutcomeKind.REJECTED_EMPTY, error=err)
+
+    def _finish(self, rnd: Round, outcome: Outcome, now: float) -> None:
+        assert rnd.outcome is None, f"round {rnd.key} finished twice"
+        if self._store is not None and outcome.kind is not OutcomeKind.ABORTED_SHUTDOWN:
+            # Durable before any rank can see it (a restarted coordinator answers retries from it).
+            self._store.put(outcome)
+        rnd.outcome = outcome
+        rnd.finished_at = now
+        groups = self._jobs[rnd.key.job]
+        group = groups[rnd.key.group]
+        del group.live[rnd.key.step]
+        self._live_count -= 1
+        group.finished[rnd.key.step] = rnd
+        while len(group.finished) > self._settings.finished_cache_size:
+            step, _ = group.finished.popitem(last=False)
+            group.stale_floor = max(group.stale_floor, step)
+        if self._observer is not None:
+            wait = None if rnd.previous_arrival is None else rnd.last_arrival - rnd.previous_arrival
+            self._observer.round_finished(
+                rnd.key, outcome, duration_s=now - rnd.created_at, straggler_wait_s=wait
+            )
+
+
+def _restored(outcome: Outcome) -> Round:
+    """A finished round rebuilt from the outcome store (its contributions are not kept)."""
+    placeholder = Contribution(rank=0, world_size=0, terms=(), values=(), contracts=())
+    rnd = Round(outcome.key, placeholder, 0.0, 0.0)
+    rnd.outcome = outcome
+    rnd.finished_at = 0.0
+    return rnd
