@@ -1,0 +1,70 @@
+"""Fixtures shared by every test package: a real coordinator on free loopback ports.
+
+- ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago.
+- ``coordinator_factory(**overrides)``: start a :class:`CoordinatorThread`
+  (gRPC on port 0, metrics on port 0, 2 s round timeout, 0.5 s shutdown grace
+  unless overridden by :class:`CoordinatorSettings` field names); every one it
+  started is stopped when the test ends.
+- ``coordinator``: one such coordinator with the defaults; ``.target`` is
+  ``"127.0.0.1:PORT"``, ``.metrics_url`` its ``/metrics``. Parametrize it
+  indirectly with a dict of overrides:
+  ``@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 0.5}], indirect=True)``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+
+CoordinatorFactory = Callable[..., CoordinatorThread]
+
+TEST_SETTINGS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 0,
+    "metrics_port": 0,
+    "round_timeout_s": 2.0,
+    "shutdown_grace_s": 0.5,
+}
+"""What the coordinator fixtures change from the production defaults."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked (another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> Callable[[], int]:
+    """``free_port()`` as a fixture: call it for each port you need."""
+    return free_port
+
+
+@pytest.fixture
+def coordinator_factory() -> Iterator[CoordinatorFactory]:
+    started: list[CoordinatorThread] = []
+
+    def make(**overrides: Any) -> CoordinatorThread:
+        settings = CoordinatorSettings.model_validate({**TEST_SETTINGS, **overrides})
+        thread = CoordinatorThread(settings).start()
+        started.append(thread)
+        return thread
+
+    yield make
+    for thread in reversed(started):
+        thread.stop()
+
+
+@pytest.fixture
+def coordinator(
+    request: pytest.FixtureRequest, coordinator_factory: CoordinatorFactory
+) -> CoordinatorThread:
+    overrides: dict[str, Any] = getattr(request, "param", {})
+    return coordinator_factory(**overrides)
