@@ -1,1 +1,90 @@
-"""trainer_worker package."""
+"""The reduction library, normalizer backends and the engine boundary.
+
+A loss is a :class:`LossReduction` of named :class:`LossTerm` s; each term's
+share of the global loss is its local value scaled by its local normalizer
+over the global normalizer, which a :class:`GlobalNormalizer` backend sums
+over ranks (one process, torch.distributed, or the coordinator). See
+``shared/docs/reduction-semantics.md`` for the formulas.
+"""
+
+from lossreduce.trainer_worker.engine import (
+    EvalResult,
+    ForwardFn,
+    ReductionEngine,
+    Splitter,
+    StepStats,
+    TorchTrainEngine,
+    TrainEngine,
+    combine_eval,
+    eval_batch_with_reduction,
+    train_batch_with_reduction,
+)
+from lossreduce.trainer_worker.microbatch import (
+    MicrobatchSettings,
+    MicrobatchSplitter,
+    split_microbatches,
+)
+from lossreduce.trainer_worker.normalizers import (
+    CoordinatorNormalizer,
+    GlobalNormalizer,
+    LocalNormalizer,
+    OnEmptyStep,
+    SupportsReduce,
+    TorchDistributedNormalizer,
+)
+from lossreduce.trainer_worker.policy_gradient import (
+    PolicyGradientMode,
+    PolicyGradientReduction,
+    forced_local_sums,
+    zero_masked,
+)
+from lossreduce.trainer_worker.reduction import (
+    Batch,
+    InconsistentNormalizerError,
+    LocalPartials,
+    LossFn,
+    LossReduction,
+    LossTerm,
+    NormalizerFn,
+    ReductionKind,
+    check_local_consistency,
+    local_partials,
+    scaled_loss,
+)
+
+__all__ = [
+    "Batch",
+    "CoordinatorNormalizer",
+    "EvalResult",
+    "ForwardFn",
+    "GlobalNormalizer",
+    "InconsistentNormalizerError",
+    "LocalNormalizer",
+    "LocalPartials",
+    "LossFn",
+    "LossReduction",
+    "LossTerm",
+    "MicrobatchSettings",
+    "MicrobatchSplitter",
+    "NormalizerFn",
+    "OnEmptyStep",
+    "PolicyGradientMode",
+    "PolicyGradientReduction",
+    "ReductionEngine",
+    "ReductionKind",
+    "Splitter",
+    "StepStats",
+    "SupportsReduce",
+    "TorchDistributedNormalizer",
+    "TorchTrainEngine",
+    "TrainEngine",
+    "check_local_consistency",
+    "combine_eval",
+    "eval_batch_with_reduction",
+    "forced_local_sums",
+    "local_partials",
+    "scaled_loss",
+    "split_microbatches",
+    "train_batch_with_reduction",
+    "zero_masked",
+]

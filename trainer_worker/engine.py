@@ -1,0 +1,410 @@
+"""The engine boundary: the callback contract engines have, and the explicit API.
+
+Training engines (FSDP, Megatron, ...) expose ``train_batch(input, loss_fn,
+loss_weight_fn)``: ``loss_fn`` gives a microbatch's local mean,
+``loss_weight_fn`` its local normalizer, and the engine scales each microbatch
+by ``weight / global_weight``. That is exactly a single-term mean
+:class:`LossReduction`, so :func:`train_batch_with_reduction` maps such a
+reduction onto any :class:`TrainEngine` unchanged; sum terms and several terms
+need an engine that implements the explicit :class:`ReductionEngine` API, and
+other engines get a :class:`NotImplementedError` saying why.
+
+:class:`TorchTrainEngine` is the reference engine: per step it computes every
+term's local normalizers over all its microbatches, obtains the global
+normalizers once, then per microbatch scales the loss (mean: ``v * n_b / N``,
+sum: ``v / N``), runs backward, and steps the optimizer once.
+
+Gradient sync: the scaled losses already divide by the *global* normalizer,
+so the gradients of the ranks must be **summed**. DDP (and ``all_reduce``
+with ``AVG``) divides by the world size instead; ``grad_average_world_size``
+multiplies every scaled loss by that world size to undo it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lossreduce.errors import EmptyNormalizerError
+from lossreduce.trainer_worker.normalizers import GlobalNormalizer, OnEmptyStep
+from lossreduce.trainer_worker.policy_gradient import forced_local_sums
+from lossreduce.trainer_worker.reduction import (
+    Batch,
+    LocalPartials,
+    LossFn,
+    LossReduction,
+    NormalizerFn,
+    check_local_consistency,
+    local_partials,
+    scaled_loss,
+)
+
+__all__ = [
+    "EvalResult",
+    "ForwardFn",
+    "ReductionEngine",
+    "Splitter",
+    "StepStats",
+    "TorchTrainEngine",
+    "TrainEngine",
+    "combine_eval",
+    "eval_batch_with_reduction",
+    "train_batch_with_reduction",
+]
+
+Splitter = Callable[[Batch], Sequence[Batch]]
+"""A rank's batch -> its microbatches (e.g. :class:`MicrobatchSplitter`)."""
+
+ForwardFn = Callable[[nn.Module, Batch], Tensor]
+"""(model, microbatch) -> model output handed to ``loss_fn``."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one training step did on this rank.
+
+    ``loss`` and ``terms`` are this rank's shares of the global loss (they sum
+    over ranks to the global values); ``normalizers`` are the global ones,
+    empty when the step was skipped.
+    """
+
+    step: int
+    skipped: bool
+    loss: float
+    terms: dict[str, float]
+    normalizers: dict[str, float]
+    local_normalizers: dict[str, float]
+    n_microbatches: int
+    skip_reason: str = ""
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat ``dict[str, float]`` (the callback contract's return type)."""
+        out = {
+            "step": float(self.step),
+            "skipped": 1.0 if self.skipped else 0.0,
+            "loss": self.loss,
+            "microbatches": float(self.n_microbatches),
+        }
+        out.update({f"loss/{k}": v for k, v in self.terms.items()})
+        out.update({f"normalizer/{k}": v for k, v in self.normalizers.items()})
+        out.update({f"local_normalizer/{k}": v for k, v in self.local_normalizers.items()})
+        return out
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation on this rank: shares of each term's global value and their total.
+
+    The global value of a term is the sum of its shares over ranks
+    (:func:`combine_eval`); in one process the shares are the global values.
+    """
+
+    step: int
+    skipped: bool
+    loss: float
+    terms: dict[str, float]
+    normalizers: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        out = {"step": float(self.step), "skipped": 1.0 if self.skipped else 0.0, "loss": self.loss}
+        out.update({f"loss/{k}": v for k, v in self.terms.items()})
+        out.update({f"normalizer/{k}": v for k, v in self.normalizers.items()})
+        return out
+
+
+def combine_eval(results_in_rank_order: Sequence[EvalResult]) -> EvalResult:
+    """Every rank's :class:`EvalResult` of one step -> the global values (exact sums)."""
+    if not results_in_rank_order:
+        raise ValueError("combine_eval needs the EvalResult of at least one rank")
+    first = results_in_rank_order[0]
+    steps = {r.step for r in results_in_rank_order}
+    names = {tuple(r.terms) for r in results_in_rank_order}
+    if len(steps) != 1 or len(names) != 1:
+        raise ValueError(
+            f"combine_eval got results of steps {sorted(steps)} and terms {sorted(names)}"
+        )
+    terms = {k: math.fsum(r.terms[k] for r in results_in_rank_order) for k in first.terms}
+    return EvalResult(
+        step=first.step,
+        skipped=any(r.skipped for r in results_in_rank_order),
+        loss=math.fsum(terms.values()),
+        terms=terms,
+        normalizers=dict(first.normalizers),
+    )
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """The callback contract: ``loss_fn`` is a local mean, ``loss_weight_fn`` its weight."""
+
+    def train_batch(
+        self, input: Batch, loss_fn: LossFn, loss_weight_fn: NormalizerFn
+    ) -> dict[str, float]: ...
+
+    def eval_batch(
+        self, input: Batch, loss_fn: LossFn, loss_weight_fn: NormalizerFn
+    ) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class ReductionEngine(Protocol):
+    """An engine that takes a whole :class:`LossReduction` (sum and multi-term too)."""
+
+    def train_batch_with_reduction(self, input: Batch, reduction: LossReduction) -> StepStats: ...
+
+    def eval_batch_with_reduction(self, input: Batch, reduction: LossReduction) -> EvalResult: ...
+
+
+def _as_callback(engine: object, reduction: LossReduction) -> tuple[LossFn, NormalizerFn]:
+    """The (loss_fn, loss_weight_fn) pair of a single-term mean reduction."""
+    term = reduction.terms[0]
+    if len(reduction.terms) != 1 or term.reduction != "mean":
+        raise NotImplementedError(
+            f"{type(engine).__name__} only has the callback contract "
+            "(train_batch(input, loss_fn, loss_weight_fn)), which expresses one mean term; "
+            f"{reduction!r} needs an engine with train_batch_with_reduction"
+        )
+
+    def loss_fn(output: Tensor, microbatch: Batch) -> Tensor:
+        return reduction.losses(output, microbatch)[term.name]
+
+    return loss_fn, term.normalizer_fn
+
+
+def train_batch_with_reduction(
+    engine: TrainEngine | ReductionEngine, input: Batch, reduction: LossReduction
+) -> dict[str, float]:
+    """Train one step on ``engine`` with ``reduction``, whichever API the engine has."""
+    if isinstance(engine, ReductionEngine):
+        return engine.train_batch_with_reduction(input, reduction).as_dict()
+    loss_fn, weight_fn = _as_callback(engine, reduction)
+    return engine.train_batch(input, loss_fn, weight_fn)
+
+
+def eval_batch_with_reduction(
+    engine: TrainEngine | ReductionEngine, input: Batch, reduction: LossReduction
+) -> dict[str, float]:
+    """Evaluate ``reduction`` on ``engine``, whichever API the engine has."""
+    if isinstance(engine, ReductionEngine):
+        return engine.eval_batch_with_reduction(input, reduction).as_dict()
+    loss_fn, weight_fn = _as_callback(engine, reduction)
+    return engine.eval_batch(input, loss_fn, weight_fn)
+
+
+def _call_model(model: nn.Module, microbatch: Batch) -> Tensor:
+    output = model(microbatch)
+    if not isinstance(output, Tensor):
+        raise TypeError(f"model(microbatch) returned {type(output).__name__}; pass a forward_fn")
+    return output
+
+
+class TorchTrainEngine:
+    """The reference engine over an ``nn.Module`` (optionally DDP-wrapped).
+
+    ``forward_fn(model, microbatch)`` produces the output handed to
+    ``loss_fn`` (default: ``model(microbatch)``). ``grad_sync(model)``, when
+    given, runs after the last backward and before the optimizer step (e.g.
+    an ``all_reduce`` of the gradients); every trainable parameter has a
+    gradient by then, zeros on a rank without microbatches.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        normalizer: GlobalNormalizer,
+        splitter: Splitter,
+        *,
+        forward_fn: ForwardFn = _call_model,
+        on_empty_step: OnEmptyStep = "raise",
+        grad_average_world_size: int = 1,
+        grad_sync: Callable[[nn.Module], None] | None = None,
+        debug_check: bool = False,
+        start_step: int = 0,
+    ) -> None:
+        if on_empty_step not in ("raise", "skip"):
+            raise ValueError(f"on_empty_step={on_empty_step!r} must be 'raise' or 'skip'")
+        if grad_average_world_size < 1:
+            raise ValueError(f"grad_average_world_size={grad_average_world_size} must be >= 1")
+        if isinstance(model, DistributedDataParallel):
+            ddp_world = torch.distributed.get_world_size(model.process_group)
+            if grad_average_world_size != ddp_world:
+                raise ValueError(
+                    f"the model is DDP over {ddp_world} ranks, which averages gradients; set "
+                    f"grad_average_world_size={ddp_world} (got {grad_average_world_size}) so the "
+                    "scaled losses undo that division"
+                )
+        self.model = model
+        self.optimizer = optimizer
+        self.normalizer = normalizer
+        self.splitter = splitter
+        self.forward_fn = forward_fn
+        self.on_empty_step: OnEmptyStep = on_empty_step
+        self.grad_average_world_size = grad_average_world_size
+        self.grad_sync = grad_sync
+        self.debug_check = debug_check
+        self.step = start_step
+        """The step number of the next reduction round (train and eval share it)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchTrainEngine(normalizer={self.normalizer!r}, step={self.step}, "
+            f"on_empty_step={self.on_empty_step!r})"
+        )
+
+    # The callback contract.
+
+    def train_batch(
+        self, input: Batch, loss_fn: LossFn, loss_weight_fn: NormalizerFn
+    ) -> dict[str, float]:
+        return self.train_batch_with_reduction(
+            input, LossReduction.mean(loss_fn, loss_weight_fn)
+        ).as_dict()
+
+    def eval_batch(
+        self, input: Batch, loss_fn: LossFn, loss_weight_fn: NormalizerFn
+    ) -> dict[str, float]:
+        return self.eval_batch_with_reduction(
+            input, LossReduction.mean(loss_fn, loss_weight_fn)
+        ).as_dict()
+
+    # The explicit API.
+
+    def train_batch_with_reduction(self, input: Batch, reduction: LossReduction) -> StepStats:
+        """One optimizer step on this rank's ``input`` (or none, if skipped)."""
+        step = self._take_step()
+        self.model.train()
+        microbatches = list(self.splitter(input))
+        local = local_partials(reduction, microbatches)
+        normalizers, skip_reason = self._reduce(step, local, reduction)
+        local_n = {k: float(v) for k, v in local.partials.items()}
+        if normalizers is None:
+            return StepStats(step, True, 0.0, {}, {}, local_n, len(microbatches), skip_reason)
+        if isinstance(self.model, DistributedDataParallel) and not microbatches:
+            raise ValueError(
+                f"step {step}: this rank has no microbatches, but a DDP model needs one backward "
+                "per rank to sync gradients; give every rank at least one prompt group"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        shares: list[dict[str, Tensor]] = []
+        for index, microbatch in enumerate(microbatches):
+            last = index == len(microbatches) - 1
+            with self._no_sync_unless(last):
+                output = self.forward_fn(self.model, microbatch)
+                losses = reduction.losses(output, microbatch)
+                if self.debug_check:
+                    self._check(
+                        step=step,
+                        index=index,
+                        reduction=reduction,
+                        output=output,
+                        microbatch=microbatch,
+                        means=losses,
+                        local=local,
+                    )
+                total, term_shares = scaled_loss(
+                    reduction, losses, local.per_microbatch[index], normalizers
+                )
+                torch.autograd.backward(total * self.grad_average_world_size)
+            shares.append({k: v.detach() for k, v in term_shares.items()})
+        if self.grad_sync is not None:
+            for param in self.model.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            self.grad_sync(self.model)
+        self.optimizer.step()
+        terms = _sum_shares(reduction, shares)
+        return StepStats(
+            step=step,
+            skipped=False,
+            loss=math.fsum(terms.values()),
+            terms=terms,
+            normalizers={k: float(v) for k, v in normalizers.items()},
+            local_normalizers=local_n,
+            n_microbatches=len(microbatches),
+        )
+
+    def eval_batch_with_reduction(self, input: Batch, reduction: LossReduction) -> EvalResult:
+        """This rank's shares of every term's global value, without gradients."""
+        step = self._take_step()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                microbatches = list(self.splitter(input))
+                local = local_partials(reduction, microbatches)
+                normalizers, _ = self._reduce(step, local, reduction)
+                if normalizers is None:
+                    return EvalResult(step, True, 0.0, {})
+                shares = []
+                for index, microbatch in enumerate(microbatches):
+                    losses = reduction.losses(self.forward_fn(self.model, microbatch), microbatch)
+                    _, term_shares = scaled_loss(
+                        reduction, losses, local.per_microbatch[index], normalizers
+                    )
+                    shares.append(term_shares)
+        finally:
+            self.model.train(was_training)
+        terms = _sum_shares(reduction, shares)
+        return EvalResult(
+            step=step,
+            skipped=False,
+            loss=math.fsum(terms.values()),
+            terms=terms,
+            normalizers={k: float(v) for k, v in normalizers.items()},
+        )
+
+    def _take_step(self) -> int:
+        step = self.step
+        self.step += 1
+        return step
+
+    def _reduce(
+        self, step: int, local: LocalPartials, reduction: LossReduction
+    ) -> tuple[dict[str, Tensor] | None, str]:
+        """The global normalizers, or (None, why) for a skipped empty step."""
+        try:
+            return self.normalizer.reduce(step, local.partials, reduction.contracts), ""
+        except EmptyNormalizerError as err:
+            # Every rank gets the same error, so every rank takes the same branch.
+            if self.on_empty_step == "skip":
+                return None, str(err)
+            raise
+
+    def _no_sync_unless(self, last: bool) -> contextlib.AbstractContextManager[object]:
+        # DDP syncs gradients on every backward; accumulate locally until the last one.
+        if isinstance(self.model, DistributedDataParallel) and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _check(
+        self,
+        *,
+        step: int,
+        index: int,
+        reduction: LossReduction,
+        output: Tensor,
+        microbatch: Batch,
+        means: dict[str, Tensor],
+        local: LocalPartials,
+    ) -> None:
+        with torch.no_grad(), forced_local_sums():
+            sums = reduction.losses(output.detach(), microbatch)
+        check_local_consistency(
+            reduction,
+            means,
+            sums,
+            local.per_microbatch[index],
+            where=f"step {step} microbatch {index}",
+        )
+
+
+def _sum_shares(reduction: LossReduction, shares: Sequence[dict[str, Tensor]]) -> dict[str, float]:
+    return {name: math.fsum(float(s[name]) for s in shares) for name in reduction.names}

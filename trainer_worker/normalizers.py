@@ -1,0 +1,331 @@
+"""Global normalizer backends: one interface, three ways to sum the partials.
+
+Every rank sends, per loss term, the sum of its microbatch normalizers (its
+*partial*); the backend returns every term's global normalizer ``N`` (the sum
+over ranks) or raises. All three backends judge the same way, with the rules of
+:mod:`lossreduce.rules`, and raise the same :mod:`lossreduce.errors` types:
+
+- :class:`InvalidPartialError` on the rank whose partial is NaN, infinite or
+  negative (naming rank, term and value); its peers raise
+  :class:`RoundAbortedError` naming that rank;
+- :class:`ContractMismatchError` when ranks disagree on terms or contracts;
+- :class:`EmptyNormalizerError` on every rank when a global normalizer is not
+  finite and > 0 (naming job, step, terms and values).
+
+No rank ever returns normalizers while a peer raises: that is how distributed
+jobs deadlock. Global sums are ``math.fsum`` over the partials in rank order,
+so every backend gives bit-identical normalizers for the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeVar, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lossreduce.errors import (
+    ContractMismatchError,
+    EmptyNormalizerError,
+    InvalidPartialError,
+    LossReduceError,
+    RoundAbortedError,
+    describe_round,
+    format_terms,
+)
+from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
+
+__all__ = [
+    "CoordinatorNormalizer",
+    "GlobalNormalizer",
+    "LocalNormalizer",
+    "OnEmptyStep",
+    "SupportsReduce",
+    "TorchDistributedNormalizer",
+]
+
+OnEmptyStep = Literal["raise", "skip"]
+"""What an engine does when a global normalizer is empty; every rank receives the
+same :class:`EmptyNormalizerError`, so the policy acts identically everywhere:
+``raise`` re-raises it, ``skip`` runs no backward and no optimizer step and
+reports the step as skipped."""
+
+
+@runtime_checkable
+class GlobalNormalizer(Protocol):
+    """Sums per-term partials over all ranks of one step."""
+
+    def reduce(
+        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+    ) -> dict[str, Tensor]:
+        """Every term's global normalizer (float64 0-d, on the partials' device)."""
+        ...
+
+
+_E = TypeVar("_E", bound=LossReduceError)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """Where a reduction happens: every error names job, group, step and rank."""
+
+    job: str
+    group: str
+    step: int
+    rank: int
+
+    def error(
+        self,
+        cls: type[_E],
+        detail: str,
+        *,
+        terms: Sequence[str] = (),
+        values: Sequence[float] = (),
+        ranks: Sequence[int] = (),
+    ) -> _E:
+        where = f"{describe_round(self.job, self.group, self.step)} rank {self.rank}"
+        return cls(
+            f"{where}: {detail}",
+            job=self.job,
+            group=self.group,
+            step=self.step,
+            rank=self.rank,
+            terms=terms,
+            values=values,
+            ranks=ranks,
+        )
+
+
+def _local_values(
+    rnd: _Round, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+) -> tuple[list[str], list[float], list[str]]:
+    """(term names sorted, their float partials, their contracts); a malformed request raises."""
+    problems = [why for why in map(check_term_name, partials) if why is not None]
+    if not partials:
+        problems.append("no terms were sent")
+    if set(contracts) != set(partials):
+        problems.append(f"contracts name {sorted(contracts)} but partials name {sorted(partials)}")
+    shapes = {name: tuple(p.shape) for name, p in partials.items() if p.numel() != 1}
+    if shapes:
+        problems.append(f"a partial is one number, but got shapes {shapes}")
+    if problems:
+        raise rnd.error(
+            InvalidPartialError, f"malformed request: {'; '.join(problems)}", terms=sorted(partials)
+        )
+    terms = sorted(partials)
+    values = [float(partials[t].detach().to(torch.float64).reshape(())) for t in terms]
+    return terms, values, [contracts[t] for t in terms]
+
+
+def _invalid(
+    terms: Sequence[str], values: Sequence[float]
+) -> tuple[list[str], list[float], list[str]]:
+    bad = [(t, v, check_partial(v)) for t, v in zip(terms, values, strict=True)]
+    bad = [(t, v, p) for t, v, p in bad if p is not None]
+    return [t for t, _, _ in bad], [v for _, v, _ in bad], [str(p) for _, _, p in bad]
+
+
+def _raise_for_invalid(rnd: _Round, rows: Sequence[Sequence[float]], terms: Sequence[str]) -> None:
+    """Raise on every rank if any rank's partial is invalid: the culprit gets
+    InvalidPartialError, its peers RoundAbortedError naming it."""
+    for culprit, row in enumerate(rows):
+        bad_terms, bad_values, problems = _invalid(terms, row)
+        if not bad_terms:
+            continue
+        described = f"{format_terms(bad_terms, bad_values)} ({', '.join(problems)})"
+        if culprit == rnd.rank:
+            raise rnd.error(
+                InvalidPartialError,
+                f"invalid local partial {described}; a partial must be finite and >= 0",
+                terms=bad_terms,
+                values=bad_values,
+            )
+        raise rnd.error(
+            RoundAbortedError,
+            f"round aborted because rank {culprit} sent an invalid partial {described}",
+            terms=bad_terms,
+            values=bad_values,
+            ranks=[culprit],
+        )
+
+
+def _finish(
+    rnd: _Round, terms: Sequence[str], totals: Sequence[float], device: torch.device
+) -> dict[str, Tensor]:
+    """Check every global normalizer is finite and > 0 and return them as tensors."""
+    bad = [
+        (t, v) for t, v in zip(terms, totals, strict=True) if check_global_normalizer(v) is not None
+    ]
+    if bad:
+        names, values = [t for t, _ in bad], [v for _, v in bad]
+        raise rnd.error(
+            EmptyNormalizerError,
+            f"global normalizer {format_terms(names, values)} is not finite and > 0 (no active "
+            "unit on any rank?); no rank runs backward for this step",
+            terms=names,
+            values=values,
+        )
+    return {
+        t: torch.tensor(v, dtype=torch.float64, device=device)
+        for t, v in zip(terms, totals, strict=True)
+    }
+
+
+def _device(partials: Mapping[str, Tensor]) -> torch.device:
+    return next(iter(partials.values())).device if partials else torch.device("cpu")
+
+
+class LocalNormalizer:
+    """One process: the global normalizer is the local partial, validated."""
+
+    def __init__(self, *, job: str = "local", group: str = "default") -> None:
+        self.job = job
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"LocalNormalizer(job={self.job!r}, group={self.group!r})"
+
+    def reduce(
+        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+    ) -> dict[str, Tensor]:
+        rnd = _Round(self.job, self.group, step, 0)
+        terms, values, _ = _local_values(rnd, partials, contracts)
+        _raise_for_invalid(rnd, [values], terms)
+        return _finish(rnd, terms, [exact_sum([v]) for v in values], _device(partials))
+
+
+def _contract_digest(step: int, terms: Sequence[str], contracts: Sequence[str]) -> list[float]:
+    """[step, n_terms, 48-bit digest of the (term, contract) pairs], exact in float64."""
+    text = "\n".join(f"{t}\t{c}" for t, c in zip(terms, contracts, strict=True))
+    (digest,) = struct.unpack(
+        ">Q", b"\0\0" + hashlib.blake2b(text.encode(), digest_size=6).digest()
+    )
+    return [float(step), float(len(terms)), float(digest)]
+
+
+class TorchDistributedNormalizer:
+    """torch.distributed: gather every rank's partials and sum them in rank order.
+
+    Two small collectives per step over ``process_group`` (``None``: the
+    default group): an ``all_gather`` of a fixed-size header (step, number of
+    terms, digest of the term names and contracts), so ranks that disagree all
+    raise :class:`ContractMismatchError` before any shape-dependent
+    collective; then an ``all_gather`` of the ``[terms]`` float64 partials.
+
+    Why gather rather than ``all_reduce``: every rank then sees every rank's
+    partials, so (a) every rank validates the same rows and raises the same
+    error (an invalid partial anywhere aborts the step everywhere; the
+    culprit raises :class:`InvalidPartialError`, the peers
+    :class:`RoundAbortedError`), and (b) the sum is ``math.fsum`` in rank order,
+    bit-identical to the coordinator's; an ``all_reduce`` sums in an order
+    the backend chooses. The tensors are ``[world, terms]`` float64: tiny.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        job: str = "torch",
+        group: str = "default",
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistributedNormalizer needs an initialized torch.distributed process "
+                "group (call torch.distributed.init_process_group first)"
+            )
+        self.process_group = process_group
+        self.job = job
+        self.group = group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchDistributedNormalizer(job={self.job!r}, group={self.group!r}, "
+            f"rank={self.rank}, world_size={self.world_size})"
+        )
+
+    def _gather(self, row: list[float], device: torch.device) -> list[list[float]]:
+        local = torch.tensor(row, dtype=torch.float64, device=device)
+        rows = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(rows, local, group=self.process_group)
+        return [[float(v) for v in r.tolist()] for r in rows]
+
+    def reduce(
+        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+    ) -> dict[str, Tensor]:
+        rnd = _Round(self.job, self.group, step, self.rank)
+        device = _device(partials)
+        try:
+            terms, values, term_contracts = _local_values(rnd, partials, contracts)
+            header = _contract_digest(step, terms, term_contracts)
+        except InvalidPartialError:
+            # Still take part in the header exchange (a header no peer can match)
+            # so the peers abort instead of waiting for this rank forever.
+            self._gather([float(step), -1.0, -1.0], device)
+            raise
+        headers = self._gather(header, device)
+        disagree = [r for r, h in enumerate(headers) if h != headers[0]]
+        if disagree:
+            raise rnd.error(
+                ContractMismatchError,
+                f"ranks disagree on the step, term names or contracts (rank 0 differs from "
+                f"ranks {disagree}); this rank sends "
+                f"{dict(zip(terms, term_contracts, strict=True))}",
+                terms=terms,
+                ranks=[0, *disagree],
+            )
+        rows = self._gather(values, device)
+        _raise_for_invalid(rnd, rows, terms)
+        totals = [exact_sum(row[i] for row in rows) for i in range(len(terms))]
+        return _finish(rnd, terms, totals, device)
+
+
+class SupportsReduce(Protocol):
+    """What :class:`CoordinatorNormalizer` needs of the coordinator client
+    (:class:`lossreduce.client.ReductionClient`)."""
+
+    def reduce(
+        self,
+        step: int,
+        partials: Mapping[str, float],
+        contracts: Mapping[str, str] | None = None,
+    ) -> dict[str, float]: ...
+
+
+class CoordinatorNormalizer:
+    """The reduction coordinator over gRPC, through a connected client.
+
+    The coordinator applies the rules of :mod:`lossreduce.rules` to every
+    rank's partials and answers every rank with the same normalizers or the
+    same error type; the client raises it here. Local partials are not
+    pre-validated: an invalid one must reach the coordinator so that the
+    peers learn of it (:class:`RoundAbortedError`) instead of timing out.
+    """
+
+    def __init__(
+        self, client: SupportsReduce, *, job: str = "", group: str = "", rank: int = 0
+    ) -> None:
+        # job/group/rank only label this side's own check of the answer; the
+        # client's errors already carry the coordinator's context.
+        self.client = client
+        self.job = job
+        self.group = group
+        self.rank = rank
+
+    def __repr__(self) -> str:
+        return f"CoordinatorNormalizer({self.client!r})"
+
+    def reduce(
+        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+    ) -> dict[str, Tensor]:
+        rnd = _Round(self.job, self.group, step, self.rank)
+        terms, values, _ = _local_values(rnd, partials, contracts)
+        answer = self.client.reduce(step, dict(zip(terms, values, strict=True)), dict(contracts))
+        terms = sorted(answer)
+        return _finish(rnd, terms, [answer[t] for t in terms], _device(partials))
