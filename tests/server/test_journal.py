@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sqlite3
@@ -44,8 +43,8 @@ def test_records_committed_before_a_restart_are_found_after_it(tmp_path: Path) -
     path = tmp_path / "j.sqlite3"
     with _journal(path) as journal:
         for step in (0, 1, 7, U64_MAX):
-            journal.write_sync(_record(step))
-        journal.write_sync(_record(3, job="other", group="critic"))
+            journal.put(_record(step))
+        journal.put(_record(3, job="other", group="critic"))
     with _journal(path) as journal:
         for step in (0, 1, 7, U64_MAX):
             assert journal.lookup("j", "actor", step) == f"j/actor/{step}".encode()
@@ -58,10 +57,10 @@ def test_records_committed_before_a_restart_are_found_after_it(tmp_path: Path) -
 def test_lookup_only_reaches_rounds_from_before_the_open(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
     with _journal(path) as journal:
-        journal.write_sync(_record(5))
+        journal.put(_record(5))
     with _journal(path) as journal:
-        journal.write_sync(_record(4))
-        journal.write_sync(_record(6))
+        journal.put(_record(4))
+        journal.put(_record(6))
         # Step 4 is within the horizon (<= 5): SQLite answers it.
         assert journal.lookup("j", "actor", 4) == b"j/actor/4"
         # Step 6 finished after this open: the coordinator itself remembers it.
@@ -72,28 +71,18 @@ def test_lookup_only_reaches_rounds_from_before_the_open(tmp_path: Path) -> None
 def test_the_first_outcome_written_for_a_round_wins(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
     with _journal(path) as journal:
-        journal.write_sync(_record(1))
-        journal.write_sync(JournalRecord("j", "actor", 1, time.time(), b"second"))
+        journal.put(_record(1))
+        journal.put(JournalRecord("j", "actor", 1, time.time(), b"second"))
     with _journal(path) as journal:
         assert journal.lookup("j", "actor", 1) == b"j/actor/1"
-
-
-def test_async_writes_are_batched_and_all_resolve(tmp_path: Path) -> None:
-    async def main(journal: RoundJournal) -> None:
-        await asyncio.gather(*(journal.write(_record(step)) for step in range(500)))
-
-    with _journal(tmp_path / "j.sqlite3") as journal:
-        asyncio.run(main(journal))
-        assert journal.written == 500
-        assert len(journal.records()) == 500
 
 
 def test_retention_keeps_the_newest_steps_of_each_group(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
     with _journal(path, retain_rounds_per_group=50, compact_every=20) as journal:
         for step in range(1_000):
-            journal.write_sync(_record(step))
-            journal.write_sync(_record(step, group="critic"))
+            journal.put(_record(step))
+            journal.put(_record(step, group="critic"))
     with _journal(path, retain_rounds_per_group=50) as journal:
         for group in ("actor", "critic"):
             steps = [r.step for r in journal.records() if r.group == group]
@@ -104,8 +93,8 @@ def test_retention_drops_rounds_older_than_the_age_limit(tmp_path: Path) -> None
     path = tmp_path / "j.sqlite3"
     now = time.time()
     with _journal(path) as journal:
-        journal.write_sync(_record(0, at=now - 7200))
-        journal.write_sync(_record(1, at=now))
+        journal.put(_record(0, at=now - 7200))
+        journal.put(_record(1, at=now))
     with _journal(path, retain_seconds=3600) as journal:
         assert [r.step for r in journal.records()] == [1]
 
@@ -123,11 +112,8 @@ def test_the_file_stays_bounded_while_rounds_keep_finishing(tmp_path: Path) -> N
     sizes = []
     with _journal(path, retain_rounds_per_group=200, compact_every=100) as journal:
         for chunk in range(6):
-
-            async def burst(base: int, journal: RoundJournal = journal) -> None:
-                await asyncio.gather(*(journal.write(_record(base + i)) for i in range(2_000)))
-
-            asyncio.run(burst(chunk * 2_000))
+            for i in range(2_000):
+                journal.put(_record(chunk * 2_000 + i))
             sizes.append(files_size())
         assert len(journal.records()) <= 200 + 100
     # Pages freed by retention are reused: after the first bursts the size stops growing.
@@ -153,8 +139,9 @@ def test_a_journal_from_a_newer_schema_is_refused(tmp_path: Path) -> None:
 def test_writing_to_a_closed_journal_names_the_file(tmp_path: Path) -> None:
     journal = _journal(tmp_path / "j.sqlite3").open()
     journal.close()
+    journal.close()  # closing twice is harmless
     with pytest.raises(JournalError, match=r"j\.sqlite3.*not open"):
-        journal.write_sync(_record(0))
+        journal.put(_record(0))
 
 
 def test_settings_without_a_path_open_no_journal() -> None:
@@ -171,7 +158,7 @@ _WRITER = textwrap.dedent(
     journal = RoundJournal(JournalSettings(path=Path(sys.argv[1]))).open()
     step = 0
     while True:
-        journal.write_sync(JournalRecord("j", "actor", step, time.time(), b"outcome-%d" % step))
+        journal.put(JournalRecord("j", "actor", step, time.time(), b"outcome-%d" % step))
         # Only now may a rank be answered: announce the commit.
         print(step, flush=True)
         step += 1

@@ -1,0 +1,99 @@
+"""The round journal as the round table's :class:`~lossreduce.server.outcomes.OutcomeStore`.
+
+The table calls :meth:`JournalOutcomeStore.put` inside ``_finish``, before the
+outcome becomes visible to any rank, and :meth:`JournalOutcomeStore.get` when
+a contribution arrives for a round it does not know (after a restart).
+
+An outcome is stored as a small JSON document: floats as ``float.hex`` (exact,
+NaN and infinities included) and errors as the serialized ``google.rpc.Status``
+the ranks receive (:func:`lossreduce.errors.to_status`), so an answer rebuilt
+from the journal is the identical answer, down to the bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+
+from lossreduce.errors import InvalidPartialError, LossReduceError, from_status, to_status
+
+from .journal import JournalError, JournalRecord, RoundJournal
+from .outcomes import Outcome, OutcomeKind, RoundKey, TermNormalizerValue
+
+__all__ = ["JournalOutcomeStore", "decode_outcome", "encode_outcome"]
+
+_FORMAT = 1
+
+
+def _encode_error(err: LossReduceError | None) -> str | None:
+    if err is None:
+        return None
+    return base64.b64encode(to_status(err).SerializeToString()).decode("ascii")
+
+
+def _decode_error(text: str | None) -> LossReduceError | None:
+    if text is None:
+        return None
+    return from_status(status_pb2.Status.FromString(base64.b64decode(text)))
+
+
+def encode_outcome(outcome: Outcome) -> bytes:
+    """The journal payload of ``outcome`` (its key is stored in the journal's columns)."""
+    doc: dict[str, Any] = {
+        "format": _FORMAT,
+        "kind": outcome.kind.value,
+        "normalizers": [[n.term, n.value.hex(), n.zero_ranks] for n in outcome.normalizers],
+        "error": _encode_error(outcome.error),
+        "culprit": _encode_error(outcome.culprit),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def decode_outcome(key: RoundKey, payload: bytes) -> Outcome:
+    """Rebuild the outcome of ``key`` from its journal payload."""
+    where = f"job {key.job!r} group {key.group!r} step {key.step}"
+    try:
+        doc = json.loads(payload)
+        if doc.get("format") != _FORMAT:
+            raise ValueError(f"unknown payload format {doc.get('format')!r}")
+        culprit = _decode_error(doc["culprit"])
+        if culprit is not None and not isinstance(culprit, InvalidPartialError):
+            raise ValueError(f"culprit error is a {type(culprit).__name__}")
+        return Outcome(
+            key=key,
+            kind=OutcomeKind(doc["kind"]),
+            normalizers=tuple(
+                TermNormalizerValue(str(term), float.fromhex(value), int(zero_ranks))
+                for term, value, zero_ranks in doc["normalizers"]
+            ),
+            error=_decode_error(doc["error"]),
+            culprit=culprit,
+        )
+    except (ValueError, KeyError, TypeError, DecodeError) as exc:
+        raise JournalError(f"the journaled outcome of {where} is unreadable: {exc}") from exc
+
+
+class JournalOutcomeStore:
+    """Persists every finished round's outcome in a :class:`RoundJournal`."""
+
+    def __init__(self, journal: RoundJournal, *, clock: Callable[[], float] = time.time) -> None:
+        self.journal = journal
+        self._clock = clock
+
+    def put(self, outcome: Outcome) -> None:
+        """Commit ``outcome``; returns once it is in the journal."""
+        key = outcome.key
+        self.journal.put(
+            JournalRecord(key.job, key.group, key.step, self._clock(), encode_outcome(outcome))
+        )
+
+    def get(self, key: RoundKey) -> Outcome | None:
+        """The journaled outcome of a round finished before this coordinator started."""
+        payload = self.journal.lookup(key.job, key.group, key.step)
+        return None if payload is None else decode_outcome(key, payload)

@@ -1,0 +1,227 @@
+"""The journal as the round table's outcome store: exact codec, answers across a restart."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from lossreduce.errors import (
+    InvalidPartialError,
+    RoundAbortedError,
+    RoundTimeoutError,
+    from_status,
+    to_status,
+)
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from lossreduce.server.journal import JournalError, JournalRecord, JournalSettings, RoundJournal
+from lossreduce.server.journal_store import JournalOutcomeStore, decode_outcome, encode_outcome
+from lossreduce.server.outcomes import Outcome, OutcomeKind, RoundKey, TermNormalizerValue
+from lossreduce.v2 import coordinator_pb2 as pb
+from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
+
+KEY = RoundKey("job", "actor", 12)
+
+
+def _outcomes() -> list[Outcome]:
+    culprit = InvalidPartialError(
+        "rank 2 sent nan",
+        job="job",
+        group="actor",
+        step=12,
+        rank=2,
+        terms=["kl"],
+        values=[math.nan],
+    )
+    return [
+        Outcome(
+            KEY,
+            OutcomeKind.COMPLETED,
+            normalizers=(
+                TermNormalizerValue("tokens", 0.1 + 0.2, 0),
+                TermNormalizerValue("groups", 5e-324, 3),
+                TermNormalizerValue("big", 1.7976931348623157e308, 1),
+            ),
+        ),
+        Outcome(
+            KEY,
+            OutcomeKind.ABORTED_INVALID,
+            error=RoundAbortedError(
+                "aborted by rank 2", job="job", group="actor", step=12, ranks=[2], values=[math.nan]
+            ),
+            culprit=culprit,
+        ),
+        Outcome(
+            KEY,
+            OutcomeKind.ABORTED_TIMEOUT,
+            error=RoundTimeoutError("ranks [1, 3] missing", job="job", step=12, ranks=[1, 3]),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("outcome", _outcomes(), ids=lambda o: o.kind.value)
+def test_an_outcome_survives_the_codec_exactly(outcome: Outcome) -> None:
+    restored = decode_outcome(KEY, encode_outcome(outcome))
+    assert restored.kind is outcome.kind
+    assert [(n.term, n.value.hex(), n.zero_ranks) for n in restored.normalizers] == [
+        (n.term, n.value.hex(), n.zero_ranks) for n in outcome.normalizers
+    ]
+    for before, after in ((outcome.error, restored.error), (outcome.culprit, restored.culprit)):
+        if before is None:
+            assert after is None
+            continue
+        assert after is not None
+        assert type(after) is type(before)
+        # What a rank receives is byte-for-byte the same.
+        assert to_status(after).SerializeToString() == to_status(before).SerializeToString()
+
+
+@pytest.mark.parametrize("payload", [b"not json", b'{"format": 99}', b'{"format": 1}'])
+def test_an_unreadable_payload_names_the_round(payload: bytes) -> None:
+    with pytest.raises(JournalError, match="job 'job' group 'actor' step 12"):
+        decode_outcome(KEY, payload)
+
+
+def test_the_store_answers_rounds_from_before_the_restart(tmp_path: Path) -> None:
+    settings = JournalSettings(path=tmp_path / "j.sqlite3")
+    with RoundJournal(settings) as journal:
+        JournalOutcomeStore(journal).put(_outcomes()[0])
+    with RoundJournal(settings) as journal:
+        store = JournalOutcomeStore(journal)
+        restored = store.get(KEY)
+        assert restored is not None
+        assert restored.normalizers == _outcomes()[0].normalizers
+        assert store.get(KEY._replace(step=13)) is None
+        assert [r.step for r in journal.records()] == [12]
+
+
+# -- a coordinator restarted on its journal -------------------------------------------
+
+
+@pytest.fixture
+def journal_path(tmp_path: Path) -> Path:
+    return tmp_path / "journal.sqlite3"
+
+
+@pytest.fixture
+def restartable(journal_path: Path) -> Iterator[object]:
+    """Start coordinators one after the other on the same journal and port."""
+    running: list[tuple[CoordinatorThread, RoundJournal]] = []
+
+    def start(port: int = 0, round_timeout_s: float = 5.0) -> CoordinatorThread:
+        journal = RoundJournal(JournalSettings(path=journal_path)).open()
+        settings = CoordinatorSettings(
+            host="127.0.0.1",
+            port=port,
+            metrics_port=None,
+            round_timeout_s=round_timeout_s,
+            shutdown_grace_s=0.1,
+        )
+        coord = CoordinatorThread(settings, store=JournalOutcomeStore(journal)).start()
+        running.append((coord, journal))
+        return coord
+
+    def stop_all() -> None:
+        while running:
+            coord, journal = running.pop()
+            coord.stop(0.1)
+            journal.close()
+
+    start.stop_all = stop_all  # type: ignore[attr-defined]
+    yield start
+    stop_all()
+
+
+def _request(rank: int, step: int, world_size: int = 2) -> pb.ReduceRequest:
+    return pb.ReduceRequest(
+        round=pb.RoundKey(job="job", group="actor", step=step),
+        rank=rank,
+        world_size=world_size,
+        partials=[
+            pb.TermPartial(term="tokens", value=0.1 * (rank + 1), contract="mean:token_mean"),
+            pb.TermPartial(term="groups", value=float(rank), contract="mean:prompt_mean"),
+        ],
+    )
+
+
+def _reduce_all(target: str, step: int, ranks: range) -> list[bytes]:
+    answers: dict[int, bytes] = {}
+
+    def one(rank: int) -> None:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.ReductionCoordinatorStub(channel)
+            answers[rank] = stub.Reduce(_request(rank, step), timeout=10).SerializeToString()
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [answers[r] for r in ranks]
+
+
+def test_a_retry_after_a_restart_gets_the_identical_answer(restartable) -> None:
+    first = restartable()
+    answers = _reduce_all(first.target, 0, range(2))
+    assert answers[0] == answers[1]
+    port = first.port
+    restartable.stop_all()
+
+    second = restartable(port=port, round_timeout_s=30.0)
+    # Rank 1 never saw its answer and retries alone: with nothing remembered it
+    # would open a fresh round and wait 30 s for a rank 0 that already moved on.
+    with grpc.insecure_channel(second.target) as channel:
+        stub = pb_grpc.ReductionCoordinatorStub(channel)
+        retried = stub.Reduce(_request(1, 0), timeout=10)
+        status = stub.GetRound(pb.GetRoundRequest(round=_request(1, 0).round), timeout=10)
+    assert retried.SerializeToString() == answers[1]
+    # The restored outcome answered the retry; no new round was opened for step 0.
+    assert status.state == pb.ROUND_STATE_UNKNOWN
+
+
+def test_a_straggler_after_a_restart_gets_the_timeout_it_missed(restartable) -> None:
+    first = restartable(round_timeout_s=0.3)
+    with grpc.insecure_channel(first.target) as channel:
+        stub = pb_grpc.ReductionCoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Reduce(_request(0, 5), timeout=10)
+    assert info.value.code() is grpc.StatusCode.ABORTED
+    port = first.port
+    restartable.stop_all()
+
+    second = restartable(port=port, round_timeout_s=30.0)
+    with grpc.insecure_channel(second.target) as channel:
+        stub = pb_grpc.ReductionCoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as late:
+            stub.Reduce(_request(1, 5), timeout=10)
+    assert late.value.code() is grpc.StatusCode.ABORTED
+    err = from_status(rpc_status.from_call(late.value))
+    assert isinstance(err, RoundTimeoutError)
+    assert err.missing_ranks == (1,)
+    assert err.message == from_status(rpc_status.from_call(info.value)).message
+
+
+def test_a_journal_record_is_committed_before_the_answer(
+    restartable, journal_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen_at_answer: list[list[int]] = []
+    coord = restartable()
+    journal = RoundJournal(JournalSettings(path=journal_path)).open()
+    try:
+        original = RoundJournal.put
+
+        def spy(self: RoundJournal, record: JournalRecord) -> None:
+            original(self, record)
+            seen_at_answer.append([r.step for r in journal.records()])
+
+        monkeypatch.setattr(RoundJournal, "put", spy)
+        _reduce_all(coord.target, 7, range(2))
+        # A second connection already reads the committed round when put() returns.
+        assert seen_at_answer == [[7]]
+    finally:
+        journal.close()
