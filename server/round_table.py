@@ -89,7 +89,7 @@ class Round:
         self.arrived = 0
         self.created_at = now
         self.deadline = now + timeout_s
-        self.last_arrival = now
+        self.last_arrival: float | None = None
         self.previous_arrival: float | None = None
         self.finished_at: float | None = None
         self.outcome: Outcome | None = None
@@ -590,7 +590,8 @@ class RoundTable:
             step, _ = group.finished.popitem(last=False)
             group.stale_floor = max(group.stale_floor, step)
         if self._observer is not None:
-            wait = None if rnd.previous_arrival is None else rnd.last_arrival - rnd.previous_arrival
+            previous, last = rnd.previous_arrival, rnd.last_arrival
+            wait = None if previous is None or last is None else last - previous
             self._observer.round_finished(
                 rnd.key, outcome, duration_s=now - rnd.created_at, straggler_wait_s=wait
             )
