@@ -77,4 +77,13 @@ def exact_sum(values_in_rank_order: Iterable[float]) -> float:
     the order in which ranks arrived: every rerun over the same data gives a
     bit-identical global normalizer.
     """
-    return math.fsum(values_in_rank_order)
+    values = list(values_in_rank_order)
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        # fsum refuses when a partial sum leaves the double range. Scaling by a
+        # power of two is exact except for subnormals, which cannot change a
+        # sum of non-negative partials this large; the result is then the
+        # correctly rounded one: an infinity when the exact sum is out of range.
+        scale = 2.0**-64
+        return math.fsum(v * scale for v in values) / scale
