@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lossreduce.v2 import coordinator_pb2, coordinator_pb2_grpc
 
+from .hardening import Hardening, harden
 from .metrics import CoordinatorMetrics, MetricsServer
 from .outcomes import OutcomeStore
 from .round_table import RoundTable
@@ -47,7 +48,10 @@ def _server_options(settings: CoordinatorSettings) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         # Workers ping an idle stream between steps; do not punish them for it.
-        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        (
+            "grpc.http2.min_ping_interval_without_data_ms",
+            int(settings.keepalive_min_ping_interval_s * 1000),
+        ),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
     ]
@@ -79,6 +83,8 @@ class Coordinator:
         self._sweeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
+        self.hardening = Hardening()
+        """Tokens, TLS and the journal of this coordinator; the journal closes at stop."""
 
     @property
     def target(self) -> str:
@@ -118,6 +124,7 @@ class Coordinator:
                     await self._sweeper
             if self._metrics_server is not None:
                 await asyncio.to_thread(self._metrics_server.close)
+            self.hardening.close()
             self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -135,18 +142,27 @@ async def start(
     ``interceptors`` wrap every RPC (authentication, request ids); ``store``
     persists finished outcomes before any rank sees them.
     """
+    # Tokens, TLS, the binding rule and the journal (server/hardening.py).
+    hardening = harden(settings, store=store)
     metrics = CoordinatorMetrics()
-    table = RoundTable(settings, observer=metrics, store=store)
+    table = RoundTable(settings, observer=metrics, store=hardening.store)
     servicer = CoordinatorServicer(table, metrics, timeout_s=settings.round_timeout_s)
-    server = grpc.aio.server(interceptors=list(interceptors), options=_server_options(settings))
+    server = grpc.aio.server(
+        interceptors=[*hardening.interceptors, *interceptors], options=_server_options(settings)
+    )
     coordinator_pb2_grpc.add_ReductionCoordinatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if hardening.credentials is not None:
+        port = server.add_secure_port(address, hardening.credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
+        hardening.close()
         raise OSError(f"cannot bind the coordinator to {settings.host}:{settings.port}")
     metrics_server = None
     if settings.metrics_port is not None:
@@ -159,6 +175,7 @@ async def start(
         if metrics_server is not None:
             metrics_server.close()
         await server.stop(None)
+        hardening.close()
         raise
     coordinator = Coordinator(
         settings=settings,
@@ -170,6 +187,7 @@ async def start(
         metrics_server=metrics_server,
         port=port,
     )
+    coordinator.hardening = hardening
     coordinator._sweeper = asyncio.create_task(coordinator._sweep_forever())
     return coordinator
 

@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
 from .app import Coordinator, serve
+from .hardening import CONFIG_ERRORS
 from .settings import CoordinatorSettings
 
 __all__ = ["build_parser", "flag_name", "main", "settings_from_args"]
 
 _OFF = ("off", "none", "")
+# Fields whose flag value 'off'/'none' means None.
+_NULLABLE = ("metrics_port", "journal")
+# Secrets are read from the environment only: command lines are visible to every user.
+_ENV_ONLY = ("token",)
+SERVE_JOURNAL = Path("lossreduce-journal.sqlite3")
+"""The journal ``lossreduce serve`` keeps unless ``--journal`` or LOSSREDUCE_JOURNAL says otherwise."""
 
 
 def flag_name(field: str) -> str:
@@ -35,9 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
         "Every flag can also be set as LOSSREDUCE_<FIELD> (e.g. LOSSREDUCE_ROUND_TIMEOUT_S).",
     )
     for name, field in CoordinatorSettings.model_fields.items():
+        if name in _ENV_ONLY:
+            continue
         default = field.default
         if name == "metrics_port":
             default = f"{default} ('off' disables it)"
+        if name == "journal":
+            default = f"./{SERVE_JOURNAL} ('none' disables it)"
+        if field.annotation is bool:
+            parser.add_argument(
+                flag_name(name),
+                dest=name,
+                action="store_true",
+                default=None,
+                help=f"{field.description} [env LOSSREDUCE_{name.upper()}=1]",
+            )
+            continue
         parser.add_argument(
             flag_name(name),
             dest=name,
@@ -53,9 +75,14 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     given: dict[str, object] = {
         name: value for name, value in vars(args).items() if value is not None
     }
-    metrics_port = given.get("metrics_port")
-    if isinstance(metrics_port, str) and metrics_port.lower() in _OFF:
-        given["metrics_port"] = None
+    for name in _NULLABLE:
+        value = given.get(name)
+        if isinstance(value, str) and value.lower() in _OFF:
+            given[name] = None
+    if "journal" not in given and "LOSSREDUCE_JOURNAL" not in os.environ:
+        given["journal"] = SERVE_JOURNAL
+    elif os.environ.get("LOSSREDUCE_JOURNAL", "x").lower() in _OFF and "journal" not in given:
+        given["journal"] = None
     return CoordinatorSettings.model_validate(given)
 
 
@@ -83,6 +110,9 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         asyncio.run(run())
+    except CONFIG_ERRORS as err:
+        print(f"lossreduce serve: {err}", file=sys.stderr)
+        return 2
     except OSError as err:
         print(f"lossreduce serve: {err}", file=sys.stderr)
         return 1
