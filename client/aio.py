@@ -23,7 +23,7 @@ import grpc
 from google.rpc import code_pb2, status_pb2
 
 from lossreduce.client._stream import ReduceStreamSession, StreamBrokenError
-from lossreduce.client._transport import open_channel, status_of
+from lossreduce.client._transport import call_metadata, open_channel, status_of
 from lossreduce.client._wire import (
     PartialValue,
     RoundContext,
@@ -98,6 +98,7 @@ class AsyncReductionClient:
         self._state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ReductionCoordinatorStub | None = None
+        self._metadata: tuple[tuple[str, str], ...] = ()
         self._stream: ReduceStreamSession | None = None
         self._backoff = Backoff.from_settings(self.settings)
         self._rng = random.Random()
@@ -119,6 +120,7 @@ class AsyncReductionClient:
         if self._state is ClientState.UNOPENED:
             self._channel = open_channel(self.target, self.settings)
             self._stub = pb_grpc.ReductionCoordinatorStub(self._channel)
+            self._metadata = call_metadata(self.settings)
             self._state = ClientState.OPEN
 
     async def close(self) -> None:
@@ -254,7 +256,9 @@ class AsyncReductionClient:
         if via_stream:
             session = await self._stream_session()
             return await asyncio.wait_for(session.submit(request), timeout)
-        response: pb.ReduceResponse = await self._stub.Reduce(request, timeout=timeout)
+        response: pb.ReduceResponse = await self._stub.Reduce(
+            request, timeout=timeout, metadata=self._metadata
+        )
         return response
 
     async def _stream_session(self) -> ReduceStreamSession:
@@ -263,7 +267,9 @@ class AsyncReductionClient:
         current = self._stream
         if current is not None and not current.broken:
             return current
-        session = self._stream = ReduceStreamSession(self._stub.ReduceStream())
+        session = self._stream = ReduceStreamSession(
+            self._stub.ReduceStream(metadata=self._metadata)
+        )
         if current is not None:
             await current.close()
         return session

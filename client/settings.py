@@ -1,17 +1,18 @@
 """Settings of the engine-side client, and the gRPC channel options they imply.
 
 One pydantic model, every field described, so a trainer config can embed it and
-validate it once. Credentials (a bearer token and TLS) are not here yet: the
-security issue adds them as fields of this model and turns them into channel
-credentials in :func:`lossreduce.client._channel.open_channel`, the only place
-a channel is created.
+validate it once. Credentials (a bearer token, TLS and mutual TLS) are fields
+here too; :func:`lossreduce.client._transport.open_channel`, the only place a
+channel is created, turns them into channel credentials and call metadata.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 __all__ = ["BASE_CHANNEL_OPTIONS", "ClientSettings", "channel_options"]
 
@@ -89,6 +90,55 @@ class ClientSettings(BaseModel):
         gt=0,
         description="Largest message the client sends or accepts, in bytes.",
     )
+    token: SecretStr | None = Field(
+        default_factory=lambda: _env_secret("LOSSREDUCE_TOKEN"),
+        description=(
+            "Bearer token sent as 'authorization: Bearer <token>' on every call; defaults to the "
+            "LOSSREDUCE_TOKEN environment variable (only its first word: a server-side token "
+            "line may list jobs after it). None sends no token."
+        ),
+    )
+    tls: bool = Field(
+        default=False,
+        description=(
+            "Connect over TLS, verifying the coordinator against tls_root_cert (or the system "
+            "roots when unset). Implied by any tls_* path."
+        ),
+    )
+    tls_root_cert: Path | None = Field(
+        default=None, description="PEM CA bundle the coordinator's certificate must chain to."
+    )
+    tls_client_cert: Path | None = Field(
+        default=None,
+        description="PEM certificate chain presented to the coordinator (mutual TLS); needs tls_client_key.",
+    )
+    tls_client_key: Path | None = Field(
+        default=None, description="PEM private key of tls_client_cert."
+    )
+    tls_server_name: str | None = Field(
+        default=None,
+        description=(
+            "Name expected in the coordinator's certificate when it differs from the target's "
+            "host (e.g. dialing an IP address)."
+        ),
+    )
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether the channel is TLS (explicitly, or because a TLS file is set)."""
+        return self.tls or any(
+            path is not None
+            for path in (self.tls_root_cert, self.tls_client_cert, self.tls_client_key)
+        )
+
+    @model_validator(mode="after")
+    def _client_cert_pair(self) -> ClientSettings:
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError(
+                "tls_client_cert and tls_client_key go together (mutual TLS needs both); got "
+                f"tls_client_cert={self.tls_client_cert} tls_client_key={self.tls_client_key}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _backoff_bounds(self) -> ClientSettings:
@@ -98,6 +148,11 @@ class ClientSettings(BaseModel):
                 f"max_backoff_s={self.max_backoff_s}"
             )
         return self
+
+
+def _env_secret(name: str) -> SecretStr | None:
+    words = os.environ.get(name, "").split()
+    return SecretStr(words[0]) if words else None
 
 
 def channel_options(settings: ClientSettings) -> list[tuple[str, int | str]]:
@@ -117,4 +172,9 @@ def channel_options(settings: ClientSettings) -> list[tuple[str, int | str]]:
         ("grpc.initial_reconnect_backoff_ms", backoff_ms),
         ("grpc.min_reconnect_backoff_ms", backoff_ms),
         ("grpc.max_reconnect_backoff_ms", round(settings.max_backoff_s * 1000)),
+        *(
+            [("grpc.ssl_target_name_override", settings.tls_server_name)]
+            if settings.tls_server_name
+            else []
+        ),
     ]
