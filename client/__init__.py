@@ -2,21 +2,12 @@
 
 Each trainer rank sends its per-term partial normalizers for a step and gets
 back the global normalizers — the same on every rank — or one of the typed
-errors of :mod:`lossreduce.errors`, re-exported here::
-
-    LossReduceError                       any failure; carries job, group, step, rank
-    ├── ReductionError                    the round produced no normalizers
-    │   ├── InvalidPartialError           INVALID_ARGUMENT  this rank sent a bad partial/request
-    │   ├── EmptyNormalizerError          FAILED_PRECONDITION  a global normalizer is <= 0 or not finite
-    │   ├── ContractMismatchError         FAILED_PRECONDITION  ranks disagree (world size, terms, contracts)
-    │   ├── StaleRoundError               FAILED_PRECONDITION  step older than the retained window
-    │   ├── RoundAbortedError             ABORTED  a peer failed; ``culprit_rank`` names it
-    │   │   └── RoundTimeoutError         ABORTED  ranks missing at the round timeout; ``missing_ranks``
-    │   ├── ConflictingContributionError  ALREADY_EXISTS  a different contribution for the same round
-    │   └── LimitExceededError            RESOURCE_EXHAUSTED  a coordinator limit; ``limit`` names it
-    ├── CoordinatorUnavailableError       UNAVAILABLE after the retry budget, or no answer in the deadline
-    ├── AuthenticationError               UNAUTHENTICATED / PERMISSION_DENIED
-    └── ClientClosedError                 the client was used after ``close()``
+errors of :mod:`lossreduce.errors` (re-exported here; the tree, with the
+status code each class travels as, is drawn at the top of that module). From
+the client's side: a failed round raises a :class:`ReductionError` subclass on
+every rank (no rank may run backward); :class:`CoordinatorUnavailableError`
+means the retry budget ran out or the call deadline passed;
+:class:`ClientClosedError` means the client was used after ``close()``.
 
 :class:`ReductionClient` blocks; :class:`AsyncReductionClient` is its asyncio
 twin and the one implementation of both.

@@ -16,9 +16,9 @@ contract for a term that has no partial) is rejected before sending.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from google.rpc import code_pb2, status_pb2
 
@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 
+_E = TypeVar("_E", bound=LossReduceError)
+
+
 @runtime_checkable
 class SupportsItem(Protocol):
     """A scalar container such as a 0-d ``torch.Tensor`` or a numpy scalar."""
@@ -71,6 +74,25 @@ class RoundContext:
     def describe(self) -> str:
         """``job 'j' group 'g' step 7 rank 1``."""
         return f"{describe_round(self.job, self.group, self.step)} rank {self.rank}"
+
+    def error(
+        self,
+        cls: type[_E],
+        problem: str,
+        *,
+        terms: Sequence[str] = (),
+        values: Sequence[float] = (),
+    ) -> _E:
+        """A ``cls`` whose message is ``"<describe()>: <problem>"``, carrying this context."""
+        return cls(
+            f"{self.describe()}: {problem}",
+            job=self.job,
+            group=self.group,
+            step=self.step,
+            rank=self.rank,
+            terms=terms,
+            values=values,
+        )
 
 
 @dataclass(frozen=True)
@@ -111,13 +133,10 @@ def coerce_partial(term: str, value: object, ctx: RoundContext) -> float:
 
 
 def _not_a_number(term: str, value: object, ctx: RoundContext, why: str) -> InvalidPartialError:
-    return InvalidPartialError(
-        f"{ctx.describe()}: partial for term {term!r} is not a number ({why}); "
+    return ctx.error(
+        InvalidPartialError,
+        f"partial for term {term!r} is not a number ({why}); "
         "nothing was sent, so peers will see this rank missing at the round timeout",
-        job=ctx.job,
-        group=ctx.group,
-        step=ctx.step,
-        rank=ctx.rank,
         terms=[term],
     )
 
@@ -131,13 +150,10 @@ def build_request(
     contracts = contracts or {}
     unknown = [term for term in contracts if term not in partials]
     if unknown:
-        raise InvalidPartialError(
-            f"{ctx.describe()}: contracts name terms {unknown} that have no partial "
+        raise ctx.error(
+            InvalidPartialError,
+            f"contracts name terms {unknown} that have no partial "
             f"(terms: {list(partials)}); nothing was sent",
-            job=ctx.job,
-            group=ctx.group,
-            step=ctx.step,
-            rank=ctx.rank,
             terms=unknown,
         )
     return pb.ReduceRequest(
@@ -159,25 +175,18 @@ def parse_response(response: pb.ReduceResponse, ctx: RoundContext) -> RoundResul
     """The RoundResult of a successful response (``error`` unset or OK)."""
     key = response.round
     if (key.job, key.group, key.step) != (ctx.job, ctx.group, ctx.step):
-        raise LossReduceError(
-            f"{ctx.describe()}: the coordinator answered for "
-            f"{describe_round(key.job, key.group, key.step)} instead",
-            job=ctx.job,
-            group=ctx.group,
-            step=ctx.step,
-            rank=ctx.rank,
+        raise ctx.error(
+            LossReduceError,
+            f"the coordinator answered for {describe_round(key.job, key.group, key.step)} instead",
         )
     normalizers = {n.term: n.value for n in response.normalizers}
     # The coordinator validated these; a non-finite value here would silently
     # turn every scaled loss into NaN, so it is worth one cheap re-check.
     bad = {term: value for term, value in normalizers.items() if not math.isfinite(value)}
     if bad:
-        raise LossReduceError(
-            f"{ctx.describe()}: the coordinator returned non-finite normalizers {bad}",
-            job=ctx.job,
-            group=ctx.group,
-            step=ctx.step,
-            rank=ctx.rank,
+        raise ctx.error(
+            LossReduceError,
+            f"the coordinator returned non-finite normalizers {bad}",
             terms=list(bad),
             values=list(bad.values()),
         )
@@ -224,27 +233,21 @@ def unavailable_error(
     last: status_pb2.Status,
 ) -> CoordinatorUnavailableError:
     """The error after the retry budget ran out against an unavailable coordinator."""
-    return CoordinatorUnavailableError(
-        f"{ctx.describe()}: the coordinator at {target} is unavailable; gave up after "
+    return ctx.error(
+        CoordinatorUnavailableError,
+        f"the coordinator at {target} is unavailable; gave up after "
         f"{attempts} attempt{'s' if attempts != 1 else ''} over {elapsed_s:.1f} s "
         f"(last error: {code_pb2.Code.Name(last.code)}: {last.message or 'no details'})",
-        job=ctx.job,
-        group=ctx.group,
-        step=ctx.step,
-        rank=ctx.rank,
     )
 
 
 def deadline_error(ctx: RoundContext, target: str, timeout_s: float) -> CoordinatorUnavailableError:
     """The error when the coordinator did not answer within the call deadline."""
-    return CoordinatorUnavailableError(
-        f"{ctx.describe()}: no answer from the coordinator at {target} within the "
+    return ctx.error(
+        CoordinatorUnavailableError,
+        f"no answer from the coordinator at {target} within the "
         f"call timeout of {timeout_s:g} s (ClientSettings.call_timeout_s); keep it above "
         "the coordinator's round timeout so missing ranks are reported by name",
-        job=ctx.job,
-        group=ctx.group,
-        step=ctx.step,
-        rank=ctx.rank,
     )
 
 

@@ -28,9 +28,6 @@ from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 Outcome = RoundResult | LossReduceError
 
-FAST_RETRIES = {"initial_backoff_s": 0.02, "max_backoff_s": 0.2, "call_timeout_s": 30.0}
-"""Short backoff for tests; the deadline still bounds every call."""
-
 
 RoundRunner = Callable[..., list[Outcome]]
 
@@ -48,7 +45,14 @@ def coordinator(
 
 @pytest.fixture(params=["stream", "unary"])
 def client_settings(request: pytest.FixtureRequest) -> ClientSettings:
-    return ClientSettings(use_stream=request.param == "stream", retry_budget_s=2.0, **FAST_RETRIES)
+    # Short backoff for tests; the deadline still bounds every call.
+    return ClientSettings(
+        use_stream=request.param == "stream",
+        retry_budget_s=2.0,
+        initial_backoff_s=0.02,
+        max_backoff_s=0.2,
+        call_timeout_s=30.0,
+    )
 
 
 def run_round(

@@ -114,7 +114,11 @@ def test_malformed_term_name_is_rejected_by_the_coordinator(reduce_round) -> Non
     ],
 )
 def test_disagreeing_ranks_get_contract_mismatch(
-    reduce_round, assert_names_round, job: str, options: dict, both_values: tuple[str, str]
+    reduce_round,
+    assert_names_round,
+    job: str,
+    options: dict[str, object],
+    both_values: tuple[str, str],
 ) -> None:
     options = dict(options)  # parametrize shares the dict between transports
     partials = options.pop("partials", [{"pg": 1.0}, {"pg": 1.0}])

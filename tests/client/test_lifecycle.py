@@ -1,0 +1,152 @@
+"""Client lifecycle: states, context managers, close, use after close, bad arguments."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import lossreduce.client
+from lossreduce import errors
+from lossreduce.client import (
+    AsyncReductionClient,
+    ClientClosedError,
+    ClientSettings,
+    ClientState,
+    ReductionClient,
+)
+
+UNUSED_TARGET = "127.0.0.1:9"  # never dialled: these clients are not used to reduce
+
+
+def test_public_names_are_exported_and_errors_are_the_shared_ones() -> None:
+    for name in lossreduce.client.__all__:
+        assert hasattr(lossreduce.client, name), name
+    for name in errors.__all__:
+        obj = getattr(errors, name)
+        if isinstance(obj, type) and issubclass(obj, errors.LossReduceError):
+            assert getattr(lossreduce.client, name) is obj
+
+
+def test_sync_states_and_use_after_close() -> None:
+    client = ReductionClient(UNUSED_TARGET, job="j", group="g", rank=1, world_size=2)
+    states = [client.state]
+    with client:
+        states.append(client.state)
+    states.append(client.state)
+    assert states == [ClientState.UNOPENED, ClientState.OPEN, ClientState.CLOSED]
+    client.close()  # idempotent
+    with pytest.raises(ClientClosedError) as info:
+        client.reduce(3, {"pg": 1.0})
+    assert str(info.value) == "Cannot reduce step 3: the client for job 'j' rank 1 has been closed."
+    assert (info.value.job, info.value.group, info.value.step, info.value.rank) == ("j", "g", 3, 1)
+    with pytest.raises(ClientClosedError, match="Cannot open the client for job 'j' rank 1"):
+        client.open()
+
+
+def test_sync_client_stops_its_thread_on_close() -> None:
+    before = set(threading.enumerate())
+    client = ReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1)
+    (thread,) = set(threading.enumerate()) - before
+    assert "rank0" in thread.name
+    client.close()
+    assert not thread.is_alive()
+
+
+def test_closing_an_unopened_client_never_dials() -> None:
+    client = ReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1)
+    client.close()
+    assert client.state is ClientState.CLOSED
+
+
+def test_async_states_and_use_after_close() -> None:
+    async def scenario() -> None:
+        client = AsyncReductionClient(UNUSED_TARGET, job="j", group="g", rank=2, world_size=4)
+        states = [client.state]
+        async with client:
+            states.append(client.state)
+        states.append(client.state)
+        assert states == [ClientState.UNOPENED, ClientState.OPEN, ClientState.CLOSED]
+        await client.close()
+        with pytest.raises(
+            ClientClosedError, match=r"^Cannot reduce step 0: .*'j' rank 2 has been closed\.$"
+        ):
+            await client.reduce(0, {"pg": 1.0})
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size", "match"),
+    [(-1, 2, "rank=-1"), (0, 0, "world_size=0"), (0, 2**32, "world_size=4294967296")],
+)
+def test_bad_identity_is_rejected_at_construction(rank: int, world_size: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AsyncReductionClient(UNUSED_TARGET, job="j", group="g", rank=rank, world_size=world_size)
+
+
+@pytest.mark.parametrize("step", [-1, 2**64, 1.5, True])
+def test_bad_step_is_rejected_before_sending(step: object) -> None:
+    with (
+        ReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1) as client,
+        pytest.raises(ValueError, match=r"job 'j' group 'g' rank 0: step=.* must be an int"),
+    ):
+        client.reduce(step, {"pg": 1.0})  # type: ignore[arg-type]
+
+
+def test_unencodable_partial_is_rejected_before_sending() -> None:
+    with (
+        ReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1) as client,
+        pytest.raises(errors.InvalidPartialError, match="'pg' is not a number"),
+    ):
+        client.reduce(1, {"pg": "many"})  # type: ignore[dict-item]
+
+
+def test_close_while_waiting_abandons_the_call(coordinator, wait_for_arrivals) -> None:
+    settings = ClientSettings(call_timeout_s=30.0)
+    client = ReductionClient(
+        coordinator.target, job="j", group="g", rank=1, world_size=2, settings=settings
+    )
+    raised: list[BaseException] = []
+
+    def wait_for_rank_0() -> None:
+        try:
+            client.reduce(3, {"pg": 1.0})
+        except BaseException as exc:  # collected for the main thread to check
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait_for_rank_0)
+    waiter.start()
+    wait_for_arrivals(coordinator.target, "j", "g", 3, [1])
+    client.close()
+    waiter.join()
+    (err,) = raised
+    assert isinstance(err, ClientClosedError)
+    assert str(err) == (
+        "Step 3 was abandoned: the client for job 'j' rank 1 was closed while waiting for the round."
+    )
+
+
+def test_async_close_while_waiting_abandons_every_pipelined_call(
+    coordinator, client_settings, wait_for_arrivals
+) -> None:
+    steps = (1, 2, 3)
+
+    def all_arrived() -> None:
+        for step in steps:
+            wait_for_arrivals(coordinator.target, "j", "g", step, [0])
+
+    async def scenario() -> list[BaseException | dict[str, float]]:
+        client = AsyncReductionClient(
+            coordinator.target, job="j", group="g", rank=0, world_size=2, settings=client_settings
+        )
+        calls = [asyncio.ensure_future(client.reduce(step, {"pg": 1.0})) for step in steps]
+        await asyncio.to_thread(all_arrived)
+        await client.close()
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    outcomes = asyncio.run(scenario())
+    for step, err in zip(steps, outcomes, strict=True):
+        assert isinstance(err, ClientClosedError)
+        assert str(err).startswith(f"Step {step} was abandoned")
