@@ -216,12 +216,14 @@ class AsyncReductionClient:
             budget.record_attempt()
             try:
                 response = await self._attempt(request, via_stream)
-            except StreamBrokenError as exc:
+            except StreamBrokenError:
                 if self._is_closed():
                     raise self._closed_while_waiting(ctx.step) from None
-                # The shared stream is gone; finish this call with unary Reduce.
+                # The shared stream is gone; finish this call with unary Reduce,
+                # at once: that call's own status (UNAVAILABLE, UNAUTHENTICATED...)
+                # decides whether to back off or to raise.
                 via_stream = False
-                status = exc.status
+                continue
             except TimeoutError:
                 raise deadline_error(ctx, self.target, self.settings.call_timeout_s) from None
             except grpc.aio.AioRpcError as exc:

@@ -8,6 +8,7 @@ import math
 import threading
 import time
 
+import grpc
 import pytest
 
 from lossreduce.client import (
@@ -18,6 +19,7 @@ from lossreduce.client import (
     ReductionClient,
     RoundResult,
 )
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
 
 
 def _settings(base: ClientSettings, **changes: object) -> ClientSettings:
@@ -240,3 +242,34 @@ def test_round_survives_a_coordinator_restart_on_the_same_port(
             done.start()
             assert r0.reduce(2, {"pg": 5.0}) == {"pg": 10.0}
             done.join()
+
+
+class _RefuseStreams(grpc.aio.ServerInterceptor):
+    """Stands in for a proxy that cannot carry bidi streams: ReduceStream fails."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.endswith("/ReduceStream"):
+            return grpc.stream_stream_rpc_method_handler(_refuse)
+        return await continuation(handler_call_details)
+
+
+async def _refuse(request_iterator, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no streams through this proxy")
+
+
+def test_a_failing_stream_falls_back_to_unary_without_spending_the_retry_budget() -> None:
+    settings = CoordinatorSettings.model_validate({"port": 0, "metrics_port": None})
+    no_retries = ClientSettings(use_stream=True, retry_budget_s=0.0)
+    with CoordinatorThread(settings, interceptors=[_RefuseStreams()]) as coord:
+        outcomes = asyncio.run(_two_ranks(coord.target, no_retries))
+    assert outcomes == [{"pg": 3.0}, {"pg": 3.0}]
+
+
+async def _two_ranks(target: str, settings: ClientSettings) -> list[dict[str, float]]:
+    async def rank(r: int) -> dict[str, float]:
+        async with AsyncReductionClient(
+            target, job="fallback", group="g", rank=r, world_size=2, settings=settings
+        ) as client:
+            return await client.reduce(1, {"pg": 1.0 + r})
+
+    return list(await asyncio.gather(rank(0), rank(1)))
