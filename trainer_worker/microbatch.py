@@ -26,6 +26,8 @@ from lossreduce.trainer_worker.reduction import Batch
 
 __all__ = ["MicrobatchSettings", "MicrobatchSplitter", "split_microbatches"]
 
+_MASK_KEYS = ("loss_mask", "denominator_mask")
+
 
 class MicrobatchSettings(BaseModel):
     """How a rank's batch is cut into microbatches (set exactly one field)."""
@@ -139,7 +141,9 @@ def split_microbatches(batch: Batch, settings: MicrobatchSettings) -> list[dict[
         if key in ("cu_seqlens", "group_sizes") or value.dim() == 0:
             continue
         lead = value.shape[0]
-        if (
+        if cu is not None and key in _MASK_KEYS:
+            token_keys.add(key)  # masks are per token by definition
+        elif (
             cu is not None
             and lead == total_tokens
             and (lead != n_seq or all(n == 1 for n in lengths))

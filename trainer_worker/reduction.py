@@ -232,8 +232,8 @@ def check_local_consistency(
     for term in reduction.terms:
         if term.reduction != "mean":
             continue
-        mean = float(means[term.name])
-        total = float(sums[term.name])
+        mean = float(means[term.name].detach())
+        total = float(sums[term.name].detach())
         n = float(local_normalizers[term.name])
         eps = torch.finfo(means[term.name].dtype).eps
         tolerance = 64 * eps * max(abs(total), abs(mean * n), 1.0)

@@ -1,0 +1,140 @@
+"""Partition invariance: any split into ranks and microbatches gives the reference.
+
+Random data (token losses from a small model, masks, denominator masks,
+lengths, variable group sizes) is split into 1-8 simulated ranks and, per rank,
+into random microbatches of whole prompt groups. Each rank computes its
+partials; their exact sum is the global normalizer; each rank scales and
+backpropagates its microbatches into one shared model, which sums the
+gradients of all ranks like an ``all_reduce(SUM)``. Total loss and gradients
+must equal the independent reference of ``toy.py`` (float64, 1e-12).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lossreduce.errors import EmptyNormalizerError
+from lossreduce.trainer_worker import (
+    LocalNormalizer,
+    MicrobatchSettings,
+    local_partials,
+    scaled_loss,
+    split_microbatches,
+)
+from lossreduce.trainer_worker.reduction import Batch, LossReduction
+from tests.trainer_worker.toy import (
+    THREE_TERMS,
+    Group,
+    TermSpec,
+    build_batch,
+    forward,
+    grads_of,
+    make_groups,
+    make_model,
+    make_reduction,
+    reference_loss_and_grads,
+)
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+@st.composite
+def partitions(draw: st.DrawFn) -> tuple[list[Group], list[list[list[Group]]], bool]:
+    """(all groups, per rank a list of microbatches of groups, packed layout?)."""
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=7))
+    groups = make_groups(
+        draw(st.integers(0, 2**31)), sizes, p_keep=draw(st.sampled_from([0.3, 0.8, 1.0]))
+    )
+    world = draw(st.integers(1, 8))
+    rank_of = draw(st.lists(st.integers(0, world - 1), min_size=len(groups), max_size=len(groups)))
+    mb_of = draw(st.lists(st.integers(0, 3), min_size=len(groups), max_size=len(groups)))
+    ranks: list[list[list[Group]]] = []
+    for r in range(world):
+        mbs = [
+            [g for i, g in enumerate(groups) if rank_of[i] == r and mb_of[i] == b] for b in range(4)
+        ]
+        ranks.append([mb for mb in mbs if mb])
+    return groups, ranks, draw(st.booleans())
+
+
+def simulate(
+    reduction: LossReduction, ranks: list[list[list[Group]]], packed: bool, use_splitter: bool
+) -> tuple[float, list[torch.Tensor]]:
+    """Run every simulated rank through the library; return total loss and summed grads."""
+    model = make_model()
+    microbatches: list[list[Batch]] = []
+    for rank_mbs in ranks:
+        if use_splitter:
+            groups = [g for mb in rank_mbs for g in mb]
+            batch = build_batch(groups, packed=packed) if groups else None
+            split = split_microbatches(batch, MicrobatchSettings(n_microbatches=3)) if batch else []
+            microbatches.append(split)
+        else:
+            microbatches.append([build_batch(mb, packed=packed) for mb in rank_mbs])
+    locals_ = [local_partials(reduction, mbs) for mbs in microbatches]
+    summed = {name: sum(lp.partials[name] for lp in locals_) for name in reduction.names}
+    normalizers = LocalNormalizer().reduce(0, summed, reduction.contracts)
+    total = 0.0
+    for mbs, lp in zip(microbatches, locals_, strict=True):
+        for mb, n_local in zip(mbs, lp.per_microbatch, strict=True):
+            loss, _ = scaled_loss(
+                reduction, reduction.losses(forward(model, mb), mb), n_local, normalizers
+            )
+            loss.backward()
+            total += float(loss.detach())
+    return total, grads_of(model)
+
+
+def check(
+    specs: tuple[TermSpec, ...],
+    data: tuple[list[Group], list[list[list[Group]]], bool],
+    use_splitter: bool,
+) -> None:
+    groups, ranks, packed = data
+    reduction = make_reduction(specs)
+    try:
+        expected_loss, expected_grads = reference_loss_and_grads(make_model(), groups, specs)
+    except ZeroDivisionError:
+        with pytest.raises(EmptyNormalizerError):
+            simulate(reduction, ranks, packed, use_splitter)
+        return
+    loss, grads = simulate(reduction, ranks, packed, use_splitter)
+    torch.testing.assert_close(torch.tensor(loss), torch.tensor(expected_loss), **TOL)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, **TOL)
+
+
+MODES = [
+    TermSpec("pg", "token_mean", channel=0),
+    TermSpec("pg", "seq_mean", channel=0),
+    TermSpec("pg", "prompt_mean", channel=0),
+    TermSpec("pg", "constant", channel=0, divisor=7.0),
+]
+
+
+@pytest.mark.parametrize("kind", ["mean", "sum"])
+@pytest.mark.parametrize("spec", MODES, ids=lambda s: s.mode)
+@settings(max_examples=20, deadline=None)
+@given(data=partitions(), use_splitter=st.booleans())
+def test_single_term_is_partition_invariant(
+    spec: TermSpec, kind: str, data, use_splitter: bool
+) -> None:
+    check((TermSpec(spec.name, spec.mode, spec.channel, kind, spec.divisor),), data, use_splitter)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=partitions(),
+    use_splitter=st.booleans(),
+    kinds=st.lists(st.sampled_from(["mean", "sum"]), min_size=3, max_size=3),
+)
+def test_three_terms_are_partition_invariant(data, use_splitter: bool, kinds: list[str]) -> None:
+    specs = tuple(
+        TermSpec(s.name, s.mode, s.channel, k, s.divisor)
+        for s, k in zip(THREE_TERMS, kinds, strict=True)
+    )
+    check(specs, data, use_splitter)
