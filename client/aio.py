@@ -96,6 +96,7 @@ class AsyncReductionClient:
         self.world_size = world_size
         self.settings = settings if settings is not None else ClientSettings()
         self._state = ClientState.UNOPENED
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ReductionCoordinatorStub | None = None
         self._metadata: tuple[tuple[str, str], ...] = ()
@@ -117,11 +118,19 @@ class AsyncReductionClient:
     async def open(self) -> None:
         """Open the channel (done implicitly by the first reduce())."""
         self.check_open(None)
+        loop = asyncio.get_running_loop()
         if self._state is ClientState.UNOPENED:
+            self._loop = loop
             self._channel = open_channel(self.target, self.settings)
             self._stub = pb_grpc.ReductionCoordinatorStub(self._channel)
             self._metadata = call_metadata(self.settings)
             self._state = ClientState.OPEN
+        elif loop is not self._loop:
+            # A grpc.aio channel only works on the loop it was created on.
+            raise RuntimeError(
+                f"The client for job {self.job!r} rank {self.rank} was opened on another event "
+                "loop; create one client per event loop (or use ReductionClient)."
+            )
 
     async def close(self) -> None:
         """Close the stream and the channel; calls still waiting raise ClientClosedError."""

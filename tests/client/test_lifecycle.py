@@ -77,6 +77,14 @@ def test_async_states_and_use_after_close() -> None:
     asyncio.run(scenario())
 
 
+def test_async_client_refuses_a_second_event_loop() -> None:
+    client = AsyncReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1)
+    asyncio.run(client.open())
+    with pytest.raises(RuntimeError, match="opened on another event loop"):
+        asyncio.run(client.reduce(1, {"pg": 1.0}))
+    asyncio.run(client.close())
+
+
 @pytest.mark.parametrize(
     ("rank", "world_size", "match"),
     [(-1, 2, "rank=-1"), (0, 0, "world_size=0"), (0, 2**32, "world_size=4294967296")],
