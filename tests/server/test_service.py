@@ -1,0 +1,372 @@
+"""The coordinator over real gRPC: every row of the outcome table, from many
+concurrent threads, over unary Reduce and over ReduceStream, with raw stubs."""
+
+from __future__ import annotations
+
+import math
+import threading
+import urllib.request
+
+import grpc
+import pytest
+from google.rpc import code_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from lossreduce.errors import (
+    ConflictingContributionError,
+    ContractMismatchError,
+    CoordinatorUnavailableError,
+    EmptyNormalizerError,
+    InvalidPartialError,
+    LimitExceededError,
+    RoundAbortedError,
+    RoundTimeoutError,
+    StaleRoundError,
+)
+from lossreduce.server import SERVICE_NAME, CoordinatorThread
+from lossreduce.v2 import coordinator_pb2 as pb
+from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Send
+
+MODES = ["unary", "stream"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_completed_round_gives_every_rank_the_same_exact_normalizers(
+    ranks: Ranks, mode: str
+) -> None:
+    world = 16
+    tokens = [float(3 * r + 1) * 0.1 for r in range(world)]
+    groups = [0.0 if r % 4 else 1.0 for r in range(world)]
+    sends = [
+        Send(rank=r, world_size=world, partials={"tokens": tokens[r], "groups": groups[r]})
+        for r in reversed(range(world))
+    ]
+    answers = ranks.round(sends, mode)
+    expected = {"tokens": (math.fsum(tokens), 0), "groups": (4.0, world - 4)}
+    for received in answers:
+        assert received.code == code_pb2.OK
+        assert received.normalizers == expected
+        assert isinstance(received.answer, pb.ReduceResponse)
+        assert [n.term for n in received.answer.normalizers] == ["tokens", "groups"]
+        assert received.answer.round.step == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_global_normalizer_fails_every_rank(ranks: Ranks, mode: str) -> None:
+    sends = [Send(rank=r, world_size=3, partials={"tokens": 0.0, "seqs": 1.0}) for r in range(3)]
+    for received in ranks.round(sends, mode):
+        assert received.code == code_pb2.FAILED_PRECONDITION
+        err = received.error
+        assert isinstance(err, EmptyNormalizerError)
+        assert (err.job, err.group, err.step, err.terms, err.values) == (
+            "job-t",
+            "actor",
+            1,
+            ("tokens",),
+            (0.0,),
+        )
+        assert "job 'job-t' group 'actor' step 1" in err.message
+        assert "'tokens'=0.0" in err.message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_invalid_partial_culprit_gets_invalid_argument_the_rest_aborted(
+    ranks: Ranks, mode: str
+) -> None:
+    world = 6
+    sends = [
+        Send(rank=r, world_size=world, partials={"tokens": math.nan if r == 4 else 1.0})
+        for r in range(world)
+    ]
+    answers = ranks.round(sends, mode)
+    for rank, received in enumerate(answers):
+        err = received.error
+        if rank == 4:
+            assert received.code == code_pb2.INVALID_ARGUMENT
+            assert isinstance(err, InvalidPartialError)
+            assert (err.rank, err.terms) == (4, ("tokens",))
+            assert math.isnan(err.values[0])
+            assert "rank 4 sent invalid partial 'tokens'=nan" in err.message
+        else:
+            assert received.code == code_pb2.ABORTED
+            assert type(err) is RoundAbortedError
+            assert err.culprit_rank == 4
+            assert "aborted because rank 4" in err.message
+    # A rank arriving after the abort learns it at once, not at the timeout.
+    late = ranks.unary(Send(rank=0, world_size=world, partials={"tokens": 1.0}, step=1))
+    assert late.code == code_pb2.ABORTED
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("culprit", "phrase"),
+    [
+        (Send(rank=1, world_size=3, partials={"tokens": 1.0}), "sent world_size 3 but rank 0"),
+        (Send(rank=1, world_size=2, partials={"kl": 1.0}), "sent terms ['kl'] but rank 0"),
+        (
+            Send(
+                rank=1, world_size=2, partials={"tokens": 1.0}, contracts={"tokens": "sum:constant"}
+            ),
+            "sent contract 'sum:constant' for term 'tokens' but rank 0 sent 'mean:token_mean'",
+        ),
+    ],
+)
+def test_contract_mismatch_fails_every_rank(
+    ranks: Ranks, mode: str, culprit: Send, phrase: str
+) -> None:
+    first = Send(rank=0, world_size=2, partials={"tokens": 1.0})
+    # Rank 0 must arrive first to be the reference; it then waits on its own thread.
+    waiter = threading.Thread(target=lambda: results.append(ranks.unary(first)))
+    results: list = []
+    waiter.start()
+    _wait_until_arrived(ranks, first, 1)
+    second = ranks.unary(culprit) if mode == "unary" else ranks.stream([culprit])[0]
+    waiter.join()
+    for received in (results[0], second):
+        assert received.code == code_pb2.FAILED_PRECONDITION
+        assert isinstance(received.error, ContractMismatchError)
+        assert phrase in received.error.message
+        assert received.error.ranks == (0, 1)
+
+
+def _wait_until_arrived(ranks: Ranks, send: Send, count: int) -> pb.RoundStatus:
+    key = pb.RoundKey(job=send.job, group=send.group, step=send.step)
+    while True:  # bounded by the test timeout; the arrival is already on its way
+        status = ranks.stub.GetRound(pb.GetRoundRequest(round=key), timeout=CALL_TIMEOUT_S)
+        if len(status.arrived_ranks) >= count:
+            return status
+
+
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 0.3}], indirect=True)
+@pytest.mark.parametrize("mode", MODES)
+def test_round_timeout_names_every_missing_rank(ranks: Ranks, mode: str) -> None:
+    sends = [Send(rank=r, world_size=5, partials={"tokens": 1.0}) for r in (1, 3)]
+    for received in ranks.round(sends, mode):
+        assert received.code == code_pb2.ABORTED
+        err = received.error
+        assert isinstance(err, RoundTimeoutError)
+        assert err.missing_ranks == (0, 2, 4)
+        assert "waiting for ranks [0, 2, 4]" in err.message
+    # A missing rank that finally arrives gets the same ending.
+    late = ranks.unary(Send(rank=0, world_size=5, partials={"tokens": 1.0}))
+    assert isinstance(late.error, RoundTimeoutError)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retries_get_the_same_outcome_and_conflicts_already_exists(ranks: Ranks, mode: str) -> None:
+    sends = [Send(rank=r, world_size=2, partials={"tokens": 1.0 + r}) for r in range(2)]
+    first = ranks.round(sends, mode)
+    retry = ranks.round(sends, mode)
+    assert [r.normalizers for r in retry] == [r.normalizers for r in first]
+    assert first[0].normalizers == {"tokens": (3.0, 0)}
+    changed = Send(rank=1, world_size=2, partials={"tokens": 5.0})
+    conflict = ranks.unary(changed) if mode == "unary" else ranks.stream([changed])[0]
+    assert conflict.code == code_pb2.ALREADY_EXISTS
+    assert isinstance(conflict.error, ConflictingContributionError)
+    assert "already contributed 'tokens'=2.0" in conflict.error.message
+    assert "now sent 'tokens'=5.0" in conflict.error.message
+
+
+def test_retry_while_waiting_is_not_counted_twice(ranks: Ranks) -> None:
+    send0 = Send(rank=0, world_size=2, partials={"tokens": 1.0})
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(ranks.unary(send0))) for _ in "ab"]
+    for t in threads:
+        t.start()
+    status = _wait_until_arrived(ranks, send0, 1)
+    assert list(status.missing_ranks) == [1]
+    last = ranks.unary(Send(rank=1, world_size=2, partials={"tokens": 2.0}))
+    for t in threads:
+        t.join()
+    assert [r.normalizers for r in [*results, last]] == [{"tokens": (3.0, 0)}] * 3
+
+
+@pytest.mark.parametrize(
+    "coordinator",
+    [{"retained_steps": 4, "max_rounds_in_flight": 2, "max_terms": 2, "max_world_size": 8}],
+    indirect=True,
+)
+def test_stale_steps_and_limits(ranks: Ranks) -> None:
+    ranks.unary(Send(rank=0, world_size=1, partials={"t": 1.0}, step=10))
+    stale = ranks.unary(Send(rank=0, world_size=1, partials={"t": 1.0}, step=6))
+    assert stale.code == code_pb2.FAILED_PRECONDITION
+    assert isinstance(stale.error, StaleRoundError)
+    assert stale.error.limit == "retained_steps"
+
+    cases = [
+        (Send(rank=0, world_size=1, partials={"a": 1.0, "b": 1.0, "c": 1.0}), "max_terms"),
+        (Send(rank=0, world_size=9, partials={"a": 1.0}), "max_world_size"),
+    ]
+    for send, limit in cases:
+        received = ranks.unary(send)
+        assert received.code == code_pb2.RESOURCE_EXHAUSTED
+        assert isinstance(received.error, LimitExceededError)
+        assert received.error.limit == limit
+
+    # Two rounds may be in flight; the third is refused, in another stream too.
+    pipelined = [Send(rank=0, world_size=2, partials={"t": 1.0}, step=s) for s in (11, 12)]
+    responses = ranks.stub.ReduceStream(iter([p.request() for p in pipelined]), timeout=5.0)
+    _wait_until_arrived(ranks, pipelined[1], 1)
+    third = ranks.unary(Send(rank=0, world_size=2, partials={"t": 1.0}, step=13))
+    assert isinstance(third.error, LimitExceededError)
+    assert third.error.limit == "max_rounds_in_flight"
+    ranks.round(
+        [Send(rank=1, world_size=2, partials={"t": 1.0}, step=s) for s in (11, 12)], "unary"
+    )
+    assert [ranks.decode(r).normalizers for r in responses] == [{"t": (2.0, 0)}] * 2
+
+
+def test_stream_answers_in_request_order_and_survives_failed_rounds(ranks: Ranks) -> None:
+    # Rank 0 pipelines three steps on one stream; step 2 will fail.
+    mine = [
+        Send(rank=0, world_size=2, partials={"t": 1.0}, step=1),
+        Send(rank=0, world_size=2, partials={"t": 0.0}, step=2),
+        Send(rank=0, world_size=2, partials={"t": 3.0}, step=3),
+    ]
+    results: list = []
+    stream = threading.Thread(target=lambda: results.extend(ranks.stream(mine)))
+    stream.start()
+    _wait_until_arrived(ranks, mine[2], 1)
+    # The peer completes the rounds in reverse order.
+    for step, value in ((3, 4.0), (2, 0.0), (1, 2.0)):
+        ranks.unary(Send(rank=1, world_size=2, partials={"t": value}, step=step))
+    stream.join()
+    assert [r.code for r in results] == [code_pb2.OK, code_pb2.FAILED_PRECONDITION, code_pb2.OK]
+    assert results[0].normalizers == {"t": (3.0, 0)}
+    assert isinstance(results[1].error, EmptyNormalizerError)
+    assert results[2].normalizers == {"t": (7.0, 0)}
+
+
+def test_terms_answered_in_each_requests_own_order(ranks: Ranks) -> None:
+    a = Send(rank=0, world_size=2, partials={"x": 1.0, "y": 10.0})
+    b = Send(rank=1, world_size=2, partials={"y": 20.0, "x": 2.0})
+    first, second = ranks.round([a, b], "unary")
+    assert isinstance(first.answer, pb.ReduceResponse)
+    assert isinstance(second.answer, pb.ReduceResponse)
+    assert [n.term for n in first.answer.normalizers] == ["x", "y"]
+    assert [n.term for n in second.answer.normalizers] == ["y", "x"]
+    assert first.normalizers == second.normalizers == {"x": (3.0, 0), "y": (30.0, 0)}
+
+
+def test_jobs_and_groups_do_not_interact(ranks: Ranks) -> None:
+    sends = [
+        Send(rank=r, world_size=2, partials={"t": 1.0 + r + k}, job=job, group=group)
+        for k, (job, group) in enumerate([("j1", "actor"), ("j1", "critic"), ("j2", "actor")])
+        for r in range(2)
+    ]
+    answers = ranks.round(sends, "stream")
+    assert [a.normalizers["t"][0] for a in answers] == [3.0, 3.0, 5.0, 5.0, 7.0, 7.0]
+
+
+def test_get_round_and_list_rounds(ranks: Ranks) -> None:
+    ranks.round(
+        [Send(rank=r, world_size=2, partials={"t": 1.0}, step=1) for r in range(2)], "unary"
+    )
+    waiting = Send(rank=2, world_size=4, partials={"t": 2.5}, step=2)
+    thread = threading.Thread(target=ranks.unary, args=(waiting,))
+    thread.start()
+    status = _wait_until_arrived(ranks, waiting, 1)
+    assert status.state == pb.ROUND_STATE_COLLECTING
+    assert (list(status.arrived_ranks), list(status.missing_ranks)) == ([2], [0, 1, 3])
+    assert [(n.term, n.value) for n in status.partial_sums] == [("t", 2.5)]
+    assert status.world_size == 4
+    assert status.age_seconds >= 0.0
+
+    listed = ranks.stub.ListRounds(pb.ListRoundsRequest(job="job-t"), timeout=CALL_TIMEOUT_S)
+    assert [(s.round.step, s.state) for s in listed.rounds] == [
+        (2, pb.ROUND_STATE_COLLECTING),
+        (1, pb.ROUND_STATE_COMPLETED),
+    ]
+    none = ranks.stub.ListRounds(pb.ListRoundsRequest(job="other"), timeout=CALL_TIMEOUT_S)
+    assert list(none.rounds) == []
+    unknown = ranks.stub.GetRound(
+        pb.GetRoundRequest(round=pb.RoundKey(job="job-t", group="actor", step=99)),
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert unknown.state == pb.ROUND_STATE_UNKNOWN
+
+    ranks.round(
+        [Send(rank=r, world_size=4, partials={"t": 0.0}, step=2) for r in (0, 1, 3)], "unary"
+    )
+    thread.join()
+    done = _wait_until_arrived(ranks, waiting, 4)
+    assert done.state == pb.ROUND_STATE_COMPLETED
+    assert [(n.term, n.value, n.zero_ranks) for n in done.partial_sums] == [("t", 2.5, 3)]
+
+
+def _health(channel: grpc.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT_S)
+    status: int = response.status
+    return status
+
+
+def test_health_and_reflection(coordinator: CoordinatorThread, ranks: Ranks) -> None:
+    for service in ("", SERVICE_NAME):
+        assert _health(ranks.channel, service) == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(ranks.channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    (response,) = stub.ServerReflectionInfo(iter([request]), timeout=CALL_TIMEOUT_S)
+    names = {s.name for s in response.list_services_response.service}
+    assert {"lossreduce.v2.ReductionCoordinator", "grpc.health.v1.Health"} <= names
+
+
+def test_shutdown_drains_in_flight_rounds_and_refuses_new_ones(coordinator_factory) -> None:
+    coord = coordinator_factory(shutdown_grace_s=1.0, round_timeout_s=60.0)
+    ranks = Ranks(coord.target)
+    finishing = Send(rank=0, world_size=2, partials={"t": 1.0}, step=1)
+    abandoned = Send(rank=0, world_size=2, partials={"t": 1.0}, step=2)
+    results: dict[int, object] = {}
+    waiters = [
+        threading.Thread(target=lambda s=s: results.__setitem__(s.step, ranks.unary(s)))
+        for s in (finishing, abandoned)
+    ]
+    for w in waiters:
+        w.start()
+    _wait_until_arrived(ranks, finishing, 1)
+    _wait_until_arrived(ranks, abandoned, 1)
+
+    stopper = threading.Thread(target=coord.stop)
+    stopper.start()
+    while _health(ranks.channel, "") != health_pb2.HealthCheckResponse.NOT_SERVING:
+        pass  # the stop is under way; bounded by the test timeout
+    assert _health(ranks.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+    fresh = ranks.unary(Send(rank=0, world_size=2, partials={"t": 1.0}, step=3))
+    assert fresh.code == code_pb2.UNAVAILABLE
+    assert isinstance(fresh.error, CoordinatorUnavailableError)
+    # An in-flight round may still complete during the grace period.
+    completed = ranks.unary(Send(rank=1, world_size=2, partials={"t": 2.0}, step=1))
+    assert completed.normalizers == {"t": (3.0, 0)}
+    stopper.join()
+    for w in waiters:
+        w.join()
+    ranks.close()
+    assert results[1].normalizers == {"t": (3.0, 0)}  # type: ignore[attr-defined]
+    gone = results[2]
+    assert gone.code == code_pb2.UNAVAILABLE  # type: ignore[attr-defined]
+    assert "shut down before ranks [1] arrived" in gone.error.message  # type: ignore[attr-defined]
+
+
+def test_metrics_endpoint_exposes_every_coordinator_metric(
+    coordinator: CoordinatorThread, ranks: Ranks
+) -> None:
+    ranks.round([Send(rank=r, world_size=2, partials={"t": float(r)}) for r in range(2)], "unary")
+    ranks.unary(Send(rank=0, world_size=2, partials={"t": 7.0}))  # conflicting
+    assert coordinator.metrics_url is not None
+    with urllib.request.urlopen(coordinator.metrics_url, timeout=CALL_TIMEOUT_S) as page:
+        text = page.read().decode()
+    for line in (
+        'lossreduce_rounds_total{group="actor",job="job-t",outcome="completed"} 1.0',
+        'lossreduce_round_duration_seconds_count{group="actor",job="job-t"} 1.0',
+        'lossreduce_straggler_wait_seconds_count{group="actor",job="job-t"} 1.0',
+        'lossreduce_contributions_total{group="actor",job="job-t"} 2.0',
+        'lossreduce_retries_deduplicated_total{group="actor",job="job-t"} 0.0',
+        'lossreduce_rounds_in_flight{group="actor",job="job-t"} 0.0',
+        'lossreduce_global_normalizer{group="actor",job="job-t",term="t"} 1.0',
+        'lossreduce_zero_partial_ranks{group="actor",job="job-t",term="t"} 1.0',
+        'lossreduce_rejected_partials_total{group="actor",job="job-t",reason="conflicting"} 1.0',
+        'lossreduce_rpc_errors_total{code="ALREADY_EXISTS",method="Reduce"} 1.0',
+    ):
+        assert line in text, line
+    assert "lossreduce_build_info{" in text
