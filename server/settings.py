@@ -95,54 +95,56 @@ class CoordinatorSettings(BaseSettings):
         default=10.0, gt=0, description="Seconds to wait for a keepalive ping's ack before closing."
     )
     keepalive_min_ping_interval_s: float = Field(
-        5.0,
+        default=5.0,
         gt=0,
         description="Shortest interval between client pings the server tolerates; a client pinging "
         "more often is sent GOAWAY. Clients' keepalive_time_s must not be shorter.",
     )
     # -- reliability and security (see server/README_GUARANTEES.md) --
     journal: Path | None = Field(
-        None,
+        default=None,
         description="SQLite journal of finished rounds, written before any rank is answered; a "
         "coordinator restarted on it answers retried contributions identically. `lossreduce "
         "serve` defaults to ./lossreduce-journal.sqlite3 ('none' turns it off); embedded "
         "coordinators (CoordinatorThread) keep none unless set.",
     )
     journal_sync: Literal["normal", "full"] = Field(
-        "normal",
+        default="normal",
         description="SQLite synchronous mode of the journal: 'normal' survives the process being "
         "killed; 'full' also survives power loss (one fsync per finished round).",
     )
     journal_retain_rounds: int = Field(
-        10_000, ge=1, description="Newest finished rounds per (job, group) the journal keeps."
+        default=10_000,
+        ge=1,
+        description="Newest finished rounds per (job, group) the journal keeps.",
     )
     journal_retain_s: float = Field(
-        600.0,
+        default=600.0,
         gt=0,
         description="Seconds a finished round stays in the journal. Only retries need it, so keep "
         "it above the clients' retry budget plus a restart; a rerun of a job name after this "
         "long starts afresh.",
     )
     token_file: Path | None = Field(
-        None,
+        default=None,
         description="File of accepted bearer tokens, one per line, optionally followed by the "
         "comma-separated jobs the token may use (see lossreduce.server.auth).",
     )
     token: SecretStr | None = Field(
-        None,
+        default=None,
         description="One more accepted token line (LOSSREDUCE_TOKEN only, never a flag: command "
         "lines are visible to every user).",
     )
     tls_cert: Path | None = Field(
-        None, description="PEM certificate chain of the server; with tls_key, turns on TLS."
+        default=None, description="PEM certificate chain of the server; with tls_key, turns on TLS."
     )
-    tls_key: Path | None = Field(None, description="PEM private key of tls_cert.")
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert.")
     tls_client_ca: Path | None = Field(
-        None,
+        default=None,
         description="PEM CA bundle; clients must present a certificate it signed (mutual TLS).",
     )
     insecure: bool = Field(
-        False,
+        default=False,
         description="Allow listening on a non-loopback host without a token or TLS (a trusted "
         "network); otherwise the coordinator refuses to start.",
     )
