@@ -162,6 +162,8 @@ def channel_options(settings: ClientSettings) -> list[tuple[str, int | str]]:
         *BASE_CHANNEL_OPTIONS,
         ("grpc.keepalive_time_ms", round(settings.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", round(settings.keepalive_timeout_s * 1000)),
+        # Without this, an unanswered ping only fails after gRPC's 60 s default.
+        ("grpc.http2.ping_timeout_ms", round(settings.keepalive_timeout_s * 1000)),
         # Streams sit idle between steps; keep pinging so a dead coordinator is noticed.
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),

@@ -46,6 +46,8 @@ def _server_options(settings: CoordinatorSettings) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+        # Without this, an unanswered ping only fails after gRPC's 60 s default.
+        ("grpc.http2.ping_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         # Workers ping an idle stream between steps; do not punish them for it.
         (
