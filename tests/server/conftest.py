@@ -19,6 +19,7 @@ from google.rpc import code_pb2
 from grpc_status import rpc_status
 
 from lossreduce.errors import LossReduceError, from_status
+from lossreduce.server import CoordinatorThread
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
@@ -120,7 +121,7 @@ class Ranks:
 
 
 @pytest.fixture
-def ranks(coordinator) -> Iterator[Ranks]:  # type: ignore[no-untyped-def]
+def ranks(coordinator: CoordinatorThread) -> Iterator[Ranks]:
     """:class:`Ranks` talking to the ``coordinator`` fixture."""
     r = Ranks(coordinator.target)
     yield r

@@ -21,7 +21,7 @@ from lossreduce.server import SERVICE_NAME, CoordinatorSettings, CoordinatorThre
 from lossreduce.server.cli import build_parser, flag_name, main, settings_from_args
 from lossreduce.v2 import coordinator_pb2 as pb
 from tests.conftest import free_port
-from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Send
+from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Received, Send
 
 LOSSREDUCE = Path(sys.executable).with_name("lossreduce")
 
@@ -52,6 +52,8 @@ def _rank_process(target: str, rank: int, world: int, value: float) -> subproces
     )
 
 
+# Starting a Python process can take seconds on a loaded machine; the round must outlive it.
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 60.0}], indirect=True)
 def test_ranks_in_separate_processes_and_threads_share_one_round(
     coordinator: CoordinatorThread,
 ) -> None:
@@ -121,7 +123,7 @@ def test_serve_reports_serving_and_drains_on_sigterm(
 
     ranks = Ranks(target)
     waiting = Send(rank=0, world_size=2, partials={"tokens": 1.0})
-    answers: list = []
+    answers: list[Received] = []
     thread = threading.Thread(target=lambda: answers.append(ranks.unary(waiting)))
     thread.start()
     key_status = None

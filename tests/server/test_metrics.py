@@ -107,7 +107,7 @@ def test_global_normalizer_and_zero_partial_ranks_of_last_completed_round(
         ([c(0, 2, t=-1.0)], RejectReason.NEGATIVE),
         ([c(5, 2, t=1.0)], RejectReason.RANK_OUT_OF_RANGE),
         ([Contribution(0, 2, ("t", "t"), (1.0, 1.0), ("m", "m"))], RejectReason.DUPLICATE_TERM),
-        ([c(0, 2, **{"9x": 1.0})], RejectReason.BAD_TERM_NAME),
+        ([Contribution(0, 2, ("9x",), (1.0,), ("m",))], RejectReason.BAD_TERM_NAME),
         ([c(0, 2, t=1.0), c(0, 2, t=2.0)], RejectReason.CONFLICTING),
     ],
 )

@@ -111,9 +111,9 @@ def test_all_ranks_arrived_completes_with_exact_sums_for_every_rank() -> None:
         assert outcome.kind is OutcomeKind.COMPLETED
         # Reference order is the first arrival's (rank 2): tok, seq.
         assert [n.term for n in outcome.normalizers] == ["tok", "seq"]
-        tok, seq = outcome.normalizers
-        assert tok.value == math.fsum([1e16, 1.0, 1.0]) != 1e16 + 1.0 + 1.0
-        assert (seq.value, seq.zero_ranks, tok.zero_ranks) == (8.0, 1, 0)
+        tok_sum, seq_sum = outcome.normalizers
+        assert tok_sum.value == math.fsum([1e16, 1.0, 1.0]) != 1e16 + 1.0 + 1.0
+        assert (seq_sum.value, seq_sum.zero_ranks, tok_sum.zero_ranks) == (8.0, 1, 0)
     assert recorder.count("accepted") == 3
     finished = [c for c in recorder.calls if c[0] == "finished"]
     assert finished == [("finished", KEY, OutcomeKind.COMPLETED, 2.0, 1.0)]
@@ -395,7 +395,7 @@ def test_group_and_job_limits(overrides: dict[str, int], keys: list[RoundKey], l
 @pytest.mark.parametrize(
     ("c", "limit"),
     [
-        (contribution(0, 2, **{f"t{i}": 1.0 for i in range(4)}), "max_terms"),
+        (Contribution(0, 2, ("a", "b", "c", "d"), (1.0,) * 4, ("m",) * 4), "max_terms"),
         (contribution(0, 9, tok=1.0), "max_world_size"),
     ],
 )

@@ -26,7 +26,7 @@ from lossreduce.errors import (
 )
 from lossreduce.server import SERVICE_NAME, CoordinatorThread
 from lossreduce.v2 import coordinator_pb2 as pb
-from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Send
+from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Received, Send
 
 MODES = ["unary", "stream"]
 
@@ -118,7 +118,7 @@ def test_contract_mismatch_fails_every_rank(
     first = Send(rank=0, world_size=2, partials={"tokens": 1.0})
     # Rank 0 must arrive first to be the reference; it then waits on its own thread.
     waiter = threading.Thread(target=lambda: results.append(ranks.unary(first)))
-    results: list = []
+    results: list[Received] = []
     waiter.start()
     _wait_until_arrived(ranks, first, 1)
     second = ranks.unary(culprit) if mode == "unary" else ranks.stream([culprit])[0]
@@ -133,7 +133,9 @@ def test_contract_mismatch_fails_every_rank(
 def _wait_until_arrived(ranks: Ranks, send: Send, count: int) -> pb.RoundStatus:
     key = pb.RoundKey(job=send.job, group=send.group, step=send.step)
     while True:  # bounded by the test timeout; the arrival is already on its way
-        status = ranks.stub.GetRound(pb.GetRoundRequest(round=key), timeout=CALL_TIMEOUT_S)
+        status: pb.RoundStatus = ranks.stub.GetRound(
+            pb.GetRoundRequest(round=key), timeout=CALL_TIMEOUT_S
+        )
         if len(status.arrived_ranks) >= count:
             return status
 
@@ -170,7 +172,7 @@ def test_retries_get_the_same_outcome_and_conflicts_already_exists(ranks: Ranks,
 
 def test_retry_while_waiting_is_not_counted_twice(ranks: Ranks) -> None:
     send0 = Send(rank=0, world_size=2, partials={"tokens": 1.0})
-    results: list = []
+    results: list[Received] = []
     threads = [threading.Thread(target=lambda: results.append(ranks.unary(send0))) for _ in "ab"]
     for t in threads:
         t.start()
@@ -224,7 +226,7 @@ def test_stream_answers_in_request_order_and_survives_failed_rounds(ranks: Ranks
         Send(rank=0, world_size=2, partials={"t": 0.0}, step=2),
         Send(rank=0, world_size=2, partials={"t": 3.0}, step=3),
     ]
-    results: list = []
+    results: list[Received] = []
     stream = threading.Thread(target=lambda: results.extend(ranks.stream(mine)))
     stream.start()
     _wait_until_arrived(ranks, mine[2], 1)
@@ -317,7 +319,7 @@ def test_shutdown_drains_in_flight_rounds_and_refuses_new_ones(coordinator_facto
     ranks = Ranks(coord.target)
     finishing = Send(rank=0, world_size=2, partials={"t": 1.0}, step=1)
     abandoned = Send(rank=0, world_size=2, partials={"t": 1.0}, step=2)
-    results: dict[int, object] = {}
+    results: dict[int, Received] = {}
     waiters = [
         threading.Thread(target=lambda s=s: results.__setitem__(s.step, ranks.unary(s)))
         for s in (finishing, abandoned)
@@ -342,10 +344,10 @@ def test_shutdown_drains_in_flight_rounds_and_refuses_new_ones(coordinator_facto
     for w in waiters:
         w.join()
     ranks.close()
-    assert results[1].normalizers == {"t": (3.0, 0)}  # type: ignore[attr-defined]
+    assert results[1].normalizers == {"t": (3.0, 0)}
     gone = results[2]
-    assert gone.code == code_pb2.UNAVAILABLE  # type: ignore[attr-defined]
-    assert "shut down before ranks [1] arrived" in gone.error.message  # type: ignore[attr-defined]
+    assert gone.code == code_pb2.UNAVAILABLE
+    assert "shut down before ranks [1] arrived" in gone.error.message
 
 
 def test_metrics_endpoint_exposes_every_coordinator_metric(
