@@ -16,6 +16,7 @@ schedules each round's deadline itself, and keeps its own per-round state in
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -175,7 +176,8 @@ class _Invalid(NamedTuple):
     values: tuple[float, ...] = ()
 
 
-def _validate(c: Contribution) -> _Invalid | None:
+def _validate(c: Contribution, checked_terms: tuple[str, ...]) -> _Invalid | None:
+    """``checked_terms``: names already validated (the round's first contribution's)."""
     if c.rank >= c.world_size:
         return _Invalid(
             f"is outside world_size {c.world_size} (ranks are 0..{c.world_size - 1})",
@@ -183,17 +185,20 @@ def _validate(c: Contribution) -> _Invalid | None:
         )
     if not c.terms:
         return _Invalid("sent no partials", RejectReason.BAD_TERM_NAME)
-    for term in c.terms:
-        problem = check_term_name(term)
-        if problem is not None:
+    if c.terms != checked_terms:
+        for term in c.terms:
+            problem = check_term_name(term)
+            if problem is not None:
+                return _Invalid(
+                    f"sent a malformed term: {problem}", RejectReason.BAD_TERM_NAME, (term,)
+                )
+        if len(set(c.terms)) != len(c.terms):
+            dupes = tuple(sorted({t for t in c.terms if c.terms.count(t) > 1}))
             return _Invalid(
-                f"sent a malformed term: {problem}", RejectReason.BAD_TERM_NAME, (term,)
+                f"sent terms {list(dupes)} more than once", RejectReason.DUPLICATE_TERM, dupes
             )
-    if len(set(c.terms)) != len(c.terms):
-        dupes = tuple(sorted({t for t in c.terms if c.terms.count(t) > 1}))
-        return _Invalid(
-            f"sent terms {list(dupes)} more than once", RejectReason.DUPLICATE_TERM, dupes
-        )
+    if all(0.0 <= v < math.inf for v in c.values):  # NaN fails every comparison
+        return None
     bad = [(t, v, p) for t, v in zip(c.terms, c.values, strict=True) if (p := check_partial(v))]
     if not bad:
         return None
@@ -294,7 +299,8 @@ class RoundTable:
                 return Admission(rnd)
             return self._conflict(key, previous, c)
 
-        invalid = _validate(c)
+        # The first contribution's names were validated when it opened the round.
+        invalid = _validate(c, () if created else rnd.reference.terms)
         if invalid is not None:
             return self._reject_invalid(rnd, c.rank, invalid, now, created)
         if rnd.outcome is not None:
