@@ -191,7 +191,7 @@ class PolicyGradientReduction:
 
     def __init__(
         self,
-        mode: PolicyGradientMode | Literal["token_mean", "seq_mean", "prompt_mean", "constant"],
+        mode: PolicyGradientMode | str,
         divisor: float | None = None,
     ) -> None:
         try:

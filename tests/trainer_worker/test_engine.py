@@ -16,7 +16,6 @@ from lossreduce.trainer_worker import (
     InconsistentNormalizerError,
     LocalNormalizer,
     LossReduction,
-    LossTerm,
     MicrobatchSettings,
     MicrobatchSplitter,
     PolicyGradientReduction,
@@ -43,7 +42,6 @@ from tests.trainer_worker.toy import (
     reference_term,
 )
 
-TOL = {"rtol": 1e-12, "atol": 1e-12}
 GROUPS = make_groups(11, [3, 1, 4, 2, 2], p_keep=0.8)
 
 
@@ -75,8 +73,8 @@ def test_train_step_matches_the_reference(packed: bool) -> None:
     for got, want, old, new in zip(
         grads_of(engine.model), grads, before, engine.model.parameters(), strict=True
     ):
-        torch.testing.assert_close(got, want, **TOL)
-        torch.testing.assert_close(new.detach(), old - 0.1 * want, **TOL)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(new.detach(), old - 0.1 * want, rtol=1e-12, atol=1e-12)
     flat = stats.as_dict()
     assert flat["loss"] == stats.loss
     assert flat["normalizer/pg"] == stats.normalizers["pg"]

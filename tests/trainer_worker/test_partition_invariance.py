@@ -24,7 +24,7 @@ from lossreduce.trainer_worker import (
     scaled_loss,
     split_microbatches,
 )
-from lossreduce.trainer_worker.reduction import Batch, LossReduction
+from lossreduce.trainer_worker.reduction import LossReduction
 from tests.trainer_worker.toy import (
     THREE_TERMS,
     Group,
@@ -37,8 +37,6 @@ from tests.trainer_worker.toy import (
     make_reduction,
     reference_loss_and_grads,
 )
-
-TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 
 @st.composite
@@ -65,7 +63,7 @@ def simulate(
 ) -> tuple[float, list[torch.Tensor]]:
     """Run every simulated rank through the library; return total loss and summed grads."""
     model = make_model()
-    microbatches: list[list[Batch]] = []
+    microbatches: list[list[dict[str, torch.Tensor]]] = []
     for rank_mbs in ranks:
         if use_splitter:
             groups = [g for mb in rank_mbs for g in mb]
@@ -75,7 +73,9 @@ def simulate(
         else:
             microbatches.append([build_batch(mb, packed=packed) for mb in rank_mbs])
     locals_ = [local_partials(reduction, mbs) for mbs in microbatches]
-    summed = {name: sum(lp.partials[name] for lp in locals_) for name in reduction.names}
+    summed = {
+        name: torch.stack([lp.partials[name] for lp in locals_]).sum() for name in reduction.names
+    }
     normalizers = LocalNormalizer().reduce(0, summed, reduction.contracts)
     total = 0.0
     for mbs, lp in zip(microbatches, locals_, strict=True):
@@ -102,10 +102,12 @@ def check(
             simulate(reduction, ranks, packed, use_splitter)
         return
     loss, grads = simulate(reduction, ranks, packed, use_splitter)
-    torch.testing.assert_close(torch.tensor(loss), torch.tensor(expected_loss), **TOL)
+    torch.testing.assert_close(
+        torch.tensor(loss), torch.tensor(expected_loss), rtol=1e-12, atol=1e-12
+    )
     for got, want in zip(grads, expected_grads, strict=True):
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 MODES = [

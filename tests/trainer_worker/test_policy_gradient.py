@@ -92,12 +92,13 @@ def test_partial_groups_and_denominator_mask() -> None:
     d = torch.tensor([[1, 1], [1, 0], [0, 0], [0, 0], [1, 1], [1, 1]])
     m = torch.tensor([[1, 0], [1, 0], [0, 0], [0, 0], [1, 1], [0, 0]])
     groups = [3, 1, 2]
-    num = {"token": 2 + 6 + 3 + 9, "seq": [2 / 2, 6 / 1, 12 / 2, 0 / 2]}
+    token_sum = 2 + 6 + 3 + 9
+    seq_means = [2 / 2, 6 / 1, 12 / 2, 0 / 2]  # active sequences only
     expected = {
-        "token_mean": (num["token"] / 7, 7),
-        "seq_mean": (sum(num["seq"]) / 4, 4),
+        "token_mean": (token_sum / 7, 7),
+        "seq_mean": (sum(seq_means) / 4, 4),
         "prompt_mean": (((2 + 6) / 3 + 12 / 4) / 2, 2),
-        "constant": (num["token"] / (5 * 4), 4),
+        "constant": (token_sum / (5 * 4), 4),
     }
     for mode, (value, count) in expected.items():
         pg = PolicyGradientReduction(mode, 5 if mode == "constant" else None)
@@ -183,7 +184,7 @@ def test_contracts_and_terms() -> None:
 )
 def test_bad_configuration_is_rejected(mode: str, divisor: float | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        PolicyGradientReduction(mode, divisor)  # type: ignore[arg-type]
+        PolicyGradientReduction(mode, divisor)
 
 
 def _call(mode: str, loss: torch.Tensor, mask: torch.Tensor, **kw: object) -> None:

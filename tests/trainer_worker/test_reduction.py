@@ -35,7 +35,7 @@ def test_term_defaults_and_contracts() -> None:
         (lambda: LossTerm("", count), r"LossTerm: term names must be non-empty"),
         (lambda: LossTerm("has space", count), r"term name 'has space' must match"),
         (
-            lambda: LossTerm("pg", count, "median"),
+            lambda: LossTerm("pg", count, "median"),  # type: ignore[arg-type]
             r"LossTerm 'pg': reduction='median' must be 'mean' or 'sum'",
         ),
         (

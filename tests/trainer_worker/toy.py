@@ -220,7 +220,8 @@ def reference_loss_and_grads(
     loss = sum(
         (reference_term(model, groups, s) for s in specs), torch.zeros((), dtype=torch.float64)
     )
-    loss.backward()
+    if loss.requires_grad:  # no counted token anywhere: the loss is a constant 0
+        loss.backward()
     grads = [
         p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
         for p in model.parameters()

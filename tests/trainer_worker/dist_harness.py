@@ -1,0 +1,191 @@
+"""Body of the multi-process tests: one spawned process per rank, gloo on CPU.
+
+Each rank trains the toy problem on its shard of the prompt groups through
+several scenarios in a row (all ranks run the same sequence, as a real job
+would), records gradients, stats and errors, and saves them for the parent
+test to compare with a single-process :class:`LocalNormalizer` run.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lossreduce.errors import LossReduceError
+from lossreduce.trainer_worker import (
+    CoordinatorNormalizer,
+    GlobalNormalizer,
+    LossReduction,
+    LossTerm,
+    MicrobatchSettings,
+    MicrobatchSplitter,
+    OnEmptyStep,
+    TorchDistributedNormalizer,
+    TorchTrainEngine,
+)
+from tests.trainer_worker.toy import (
+    THREE_TERMS,
+    Group,
+    TermSpec,
+    build_batch,
+    forward,
+    grads_of,
+    make_groups,
+    make_model,
+    make_reduction,
+)
+
+GROUP_SIZES = [3, 1, 4, 2, 2, 3, 1, 2]
+SEED = 5
+LR = 0.05
+
+
+def all_groups() -> list[Group]:
+    return make_groups(SEED, GROUP_SIZES, p_keep=0.8)
+
+
+def shard(groups: list[Group], rank: int, world: int) -> list[Group]:
+    return groups[rank::world]
+
+
+def empty(groups: list[Group]) -> list[Group]:
+    """The same groups with no active token anywhere."""
+    return make_groups(SEED, [len(g) for g in groups], p_keep=0.0)
+
+
+def train(
+    normalizer: GlobalNormalizer,
+    groups: list[Group],
+    *,
+    reduction: LossReduction | None = None,
+    ddp: bool = False,
+    sync: bool = True,
+    on_empty_step: OnEmptyStep = "raise",
+    start_step: int = 0,
+) -> dict[str, Any]:
+    """One step; returns grads after sync, parameters after the step and stats."""
+    model: nn.Module = make_model()
+    world = dist.get_world_size() if ddp else 1
+    grad_sync: Callable[[nn.Module], None] | None = None
+    if ddp:
+        model = DistributedDataParallel(model)
+    elif sync:
+
+        def grad_sync(m: nn.Module) -> None:
+            for p in m.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+    engine = TorchTrainEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        normalizer,
+        MicrobatchSplitter(MicrobatchSettings(n_microbatches=2)),
+        forward_fn=forward,
+        on_empty_step=on_empty_step,
+        grad_average_world_size=world,
+        grad_sync=grad_sync,
+        start_step=start_step,
+    )
+    stats = engine.train_batch_with_reduction(
+        build_batch(groups, packed=True), reduction or make_reduction(THREE_TERMS)
+    )
+    return {
+        "grads": grads_of(model),
+        "params": [p.detach().clone() for p in model.parameters()],
+        "stats": stats.as_dict(),
+        "skipped": stats.skipped,
+    }
+
+
+def capture(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return fn()
+    except LossReduceError as err:
+        return {
+            "error": type(err).__name__,
+            "message": str(err),
+            "rank": err.rank,
+            "ranks": err.ranks,
+            "terms": err.terms,
+        }
+
+
+def nan_on_rank(bad_rank: int) -> LossReduction:
+    """One mean term whose normalizer is NaN on ``bad_rank`` (a bug on that rank)."""
+    rank = dist.get_rank()
+    base = make_reduction([TermSpec("pg", "token_mean", channel=0)])
+    counts = base.terms[0].normalizer_fn
+
+    def normalizer(mb: Any) -> torch.Tensor:
+        return torch.tensor(float("nan")) if rank == bad_rank else counts(mb)
+
+    return LossReduction(base.loss_fn, [LossTerm("pg", normalizer, "mean", base.terms[0].contract)])
+
+
+def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, Any]]:
+    groups = all_groups()
+    mine = shard(groups, rank, world)
+    torch_backend = TorchDistributedNormalizer(job="dist", group="actor")
+    out = {
+        "torch_sum": capture(lambda: train(torch_backend, mine)),
+        "torch_ddp": capture(lambda: train(torch_backend, mine, ddp=True)),
+        "torch_empty_raise": capture(lambda: train(torch_backend, empty(mine))),
+        "torch_empty_skip": capture(
+            lambda: train(torch_backend, empty(mine), on_empty_step="skip")
+        ),
+        "torch_invalid": capture(lambda: train(torch_backend, mine, reduction=nan_on_rank(1))),
+        "torch_mismatch": capture(
+            lambda: train(
+                torch_backend,
+                mine,
+                reduction=make_reduction(
+                    [TermSpec("pg", "seq_mean" if rank == 0 else "token_mean", channel=0)]
+                ),
+            )
+        ),
+    }
+    if target is not None:
+        from lossreduce.client import ReductionClient
+
+        with ReductionClient(
+            target, job="dist-coord", group=f"w{world}", rank=rank, world_size=world
+        ) as client:
+            coord = CoordinatorNormalizer(client, job="dist-coord", group=f"w{world}", rank=rank)
+            out["coord_sum"] = capture(lambda: train(coord, mine, start_step=0))
+            out["coord_empty_raise"] = capture(lambda: train(coord, empty(mine), start_step=1))
+            out["coord_empty_skip"] = capture(
+                lambda: train(coord, empty(mine), on_empty_step="skip", start_step=2)
+            )
+            out["coord_invalid"] = capture(
+                lambda: train(coord, mine, reduction=nan_on_rank(1), start_step=3)
+            )
+    return out
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, target: str | None) -> None:
+    """torch.multiprocessing.spawn entry point."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    result: dict[str, Any]
+    try:
+        result = scenarios(rank, world, target)
+    except Exception:
+        result = {"crash": traceback.format_exc()}
+        raise
+    finally:
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()

@@ -1,0 +1,220 @@
+"""Normalizer backends: one validation, one set of errors, the same gradients.
+
+The multi-process tests spawn world-size 2 and 4 gloo groups on CPU (see
+``dist_harness.py``): TorchDistributedNormalizer and CoordinatorNormalizer
+(a real coordinator on a free loopback port) must give the gradients of a
+single-process LocalNormalizer run, and an empty or invalid step must fail on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing.spawn import spawn
+
+from lossreduce.errors import (
+    ContractMismatchError,
+    EmptyNormalizerError,
+    InvalidPartialError,
+)
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from lossreduce.trainer_worker import (
+    CoordinatorNormalizer,
+    GlobalNormalizer,
+    LocalNormalizer,
+    TorchDistributedNormalizer,
+)
+from tests.trainer_worker import dist_harness
+from tests.trainer_worker.toy import (
+    THREE_TERMS,
+    make_model,
+    reference_loss_and_grads,
+    reference_normalizer,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+T = torch.tensor
+
+
+def test_local_normalizer_returns_float64_partials() -> None:
+    out = LocalNormalizer().reduce(
+        3, {"pg": T(4.0), "kl": T(7, dtype=torch.int64)}, {"pg": "mean", "kl": "sum"}
+    )
+    assert out == {"kl": T(7.0, dtype=torch.float64), "pg": T(4.0, dtype=torch.float64)}
+    assert all(v.dtype == torch.float64 for v in out.values())
+    assert isinstance(LocalNormalizer(), GlobalNormalizer)
+
+
+@pytest.mark.parametrize(
+    ("partials", "error", "message"),
+    [
+        (
+            {"pg": T(math.nan)},
+            InvalidPartialError,
+            r"job 'j' group 'g' step 7 rank 0: invalid local partial 'pg'=nan \(nan\); a partial must be finite and >= 0",
+        ),
+        (
+            {"pg": T(-1.0), "kl": T(2.0)},
+            InvalidPartialError,
+            r"invalid local partial 'pg'=-1.0 \(negative\)",
+        ),
+        ({"pg": T(math.inf)}, InvalidPartialError, r"'pg'=inf \(infinite\)"),
+        (
+            {"pg": T(0.0), "kl": T(0.0)},
+            EmptyNormalizerError,
+            r"job 'j' group 'g' step 7 rank 0: global normalizer 'kl'=0.0, 'pg'=0.0 is not finite and > 0 .*no rank runs backward",
+        ),
+        (
+            {"pg": T([1.0, 2.0])},
+            InvalidPartialError,
+            r"malformed request: a partial is one number, but got shapes \{'pg': \(2,\)\}",
+        ),
+        (
+            {"bad name": T(1.0)},
+            InvalidPartialError,
+            r"malformed request: term name 'bad name' must match",
+        ),
+        ({}, InvalidPartialError, r"malformed request: no terms were sent"),
+    ],
+)
+def test_local_normalizer_validation(
+    partials: dict[str, torch.Tensor], error: type[Exception], message: str
+) -> None:
+    contracts = dict.fromkeys(partials, "mean")
+    with pytest.raises(error, match=message) as info:
+        LocalNormalizer(job="j", group="g").reduce(7, partials, contracts)
+    err = info.value
+    assert (err.job, err.group, err.step, err.rank) == ("j", "g", 7, 0)  # type: ignore[attr-defined]
+
+
+def test_contracts_must_name_the_same_terms() -> None:
+    with pytest.raises(
+        InvalidPartialError, match=r"contracts name \['kl'\] but partials name \['pg'\]"
+    ):
+        LocalNormalizer().reduce(0, {"pg": T(1.0)}, {"kl": "mean"})
+
+
+def test_torch_backend_needs_a_process_group() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"needs an initialized torch\.distributed process group"
+    ):
+        TorchDistributedNormalizer()
+
+
+class ScriptedClient:
+    """A coordinator answer for the local check of CoordinatorNormalizer."""
+
+    def __init__(self, answer: dict[str, float]) -> None:
+        self.answer = answer
+        self.sent: list[tuple[int, dict[str, float], dict[str, str] | None]] = []
+
+    def reduce(self, step: int, partials: Any, contracts: Any = None) -> dict[str, float]:
+        self.sent.append((step, dict(partials), contracts))
+        return self.answer
+
+
+def test_coordinator_normalizer_sends_floats_and_checks_the_answer() -> None:
+    client = ScriptedClient({"pg": 12.0})
+    out = CoordinatorNormalizer(client, job="j", group="g", rank=2).reduce(
+        4, {"pg": T(5.0)}, {"pg": "mean:seq_mean"}
+    )
+    assert out == {"pg": T(12.0, dtype=torch.float64)}
+    assert client.sent == [(4, {"pg": 5.0}, {"pg": "mean:seq_mean"})]
+    broken = CoordinatorNormalizer(ScriptedClient({"pg": 0.0}), job="j", group="g", rank=2)
+    with pytest.raises(
+        EmptyNormalizerError, match=r"job 'j' group 'g' step 4 rank 2: global normalizer 'pg'=0.0"
+    ):
+        broken.reduce(4, {"pg": T(5.0)}, {"pg": "mean"})
+
+
+# ------------------------------------------------------------------ multi-process
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def coordinator():
+    settings = CoordinatorSettings.model_validate(
+        {"port": 0, "metrics_port": None, "round_timeout_s": 60.0}
+    )
+    with CoordinatorThread(settings) as coord:
+        yield coord
+
+
+def run_world(
+    world: int, tmp_path: Path, target: str | None, monkeypatch: pytest.MonkeyPatch
+) -> list[dict[str, Any]]:
+    # Spawned ranks import the harness by name: put the repository root on their path.
+    monkeypatch.syspath_prepend(str(ROOT))
+    spawn(
+        dist_harness.worker,
+        args=(world, free_port(), str(tmp_path), target),
+        nprocs=world,
+        join=True,
+    )
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_backends_match_the_local_normalizer(
+    world: int, tmp_path: Path, coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = run_world(world, tmp_path, coordinator.target, monkeypatch)
+    groups = dist_harness.all_groups()
+
+    # The single-process run with LocalNormalizer on all the data equals the reference...
+    local = dist_harness.train(LocalNormalizer(), groups, sync=False)
+    ref_loss, ref_grads = reference_loss_and_grads(make_model(), groups, THREE_TERMS)
+    assert math.isclose(local["stats"]["loss"], ref_loss, rel_tol=1e-12)
+    for got, want in zip(local["grads"], ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    # ...and every rank of every distributed backend agrees with it.
+    for name in ("torch_sum", "torch_ddp", "coord_sum"):
+        losses = []
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert "error" not in got, (name, rank, got)
+            for g, want in zip(got["grads"], local["grads"], strict=True):
+                torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
+            for p, want in zip(got["params"], local["params"], strict=True):
+                torch.testing.assert_close(p, want, rtol=1e-12, atol=1e-12)
+            for spec in THREE_TERMS:
+                # Exact sums: the same normalizer on every rank, bit for bit.
+                assert got["stats"][f"normalizer/{spec.name}"] == reference_normalizer(groups, spec)
+            losses.append(got["stats"]["loss"])
+        assert math.isclose(math.fsum(losses), ref_loss, rel_tol=1e-12), name
+
+    for prefix in ("torch", "coord"):
+        raised = [res[f"{prefix}_empty_raise"] for res in results]
+        assert {r["error"] for r in raised} == {"EmptyNormalizerError"}, raised
+        assert [r["rank"] for r in raised] == list(range(world))
+        assert all(
+            "global normalizer" in r["message"] and "'pg'=0.0" in r["message"] for r in raised
+        )
+        skipped = [res[f"{prefix}_empty_skip"] for res in results]
+        assert all(s["skipped"] for s in skipped), skipped
+        assert all(all(torch.all(g == 0) for g in s["grads"]) for s in skipped)
+
+        invalid = [res[f"{prefix}_invalid"] for res in results]
+        assert invalid[1]["error"] == "InvalidPartialError", invalid
+        assert "'pg'=nan" in invalid[1]["message"]
+        for rank, res in enumerate(invalid):
+            if rank != 1:
+                assert res["error"] == "RoundAbortedError", res
+                assert res["ranks"] == (1,)
+                assert "rank 1" in res["message"]
+
+    mismatch = [res["torch_mismatch"] for res in results]
+    assert {r["error"] for r in mismatch} == {ContractMismatchError.__name__}, mismatch
+    assert all("disagree" in r["message"] for r in mismatch)
