@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from lossreduce.errors import (
     ConflictingContributionError,
@@ -167,6 +168,34 @@ def _reorder(contribution: Contribution, terms: tuple[str, ...]) -> tuple[float,
     return tuple(by_term[t] for t in terms)
 
 
+_E = TypeVar("_E", bound=LossReduceError)
+
+
+def _round_error(
+    cls: type[_E],
+    key: RoundKey,
+    detail: str,
+    *,
+    rank: int | None = None,
+    terms: tuple[str, ...] = (),
+    values: tuple[float, ...] = (),
+    ranks: Sequence[int] = (),
+    limit: str = "",
+) -> _E:
+    """An error about round ``key``: its message starts by naming job, group and step."""
+    return cls(
+        f"{describe_round(key.job, key.group, key.step)}: {detail}",
+        job=key.job,
+        group=key.group,
+        step=key.step,
+        rank=rank,
+        terms=terms,
+        values=values,
+        ranks=ranks,
+        limit=limit,
+    )
+
+
 class _Invalid(NamedTuple):
     """Why one contribution is invalid on its own (before looking at its round)."""
 
@@ -235,11 +264,10 @@ def _mismatch(key: RoundKey, ref: Contribution, c: Contribution) -> ContractMism
                 break
     if detail is None:
         return None  # same terms and contracts, in another order
-    return ContractMismatchError(
-        f"{describe_round(*key)}: rank {c.rank} sent {detail}",
-        job=key.job,
-        group=key.group,
-        step=key.step,
+    return _round_error(
+        ContractMismatchError,
+        key,
+        f"rank {c.rank} sent {detail}",
         terms=terms,
         ranks=(ref.rank, c.rank),
     )
@@ -327,12 +355,11 @@ class RoundTable:
             return False
         missing = rnd.missing_ranks()
         key = rnd.key
-        err = RoundTimeoutError(
-            f"{describe_round(*key)}: timed out after {self._settings.round_timeout_s:g} s "
+        err = _round_error(
+            RoundTimeoutError,
+            key,
+            f"timed out after {self._settings.round_timeout_s:g} s "
             f"waiting for ranks {missing} ({len(missing)} of {rnd.world_size} missing)",
-            job=key.job,
-            group=key.group,
-            step=key.step,
             ranks=missing,
         )
         self._finish(rnd, Outcome(key, OutcomeKind.ABORTED_TIMEOUT, error=err), now)
@@ -345,11 +372,7 @@ class RoundTable:
         out one by one with :meth:`time_out`; this sweep is the backstop.
         """
         ended = [
-            rnd
-            for groups in self._jobs.values()
-            for group in groups.values()
-            for rnd in list(group.live.values())
-            if rnd.deadline <= now and self.time_out(rnd, now)
+            rnd for rnd in self._live_rounds() if rnd.deadline <= now and self.time_out(rnd, now)
         ]
         ttl = self._settings.idle_group_ttl_s
         for job, groups in list(self._jobs.items()):
@@ -366,22 +389,28 @@ class RoundTable:
 
     def abort_all(self, now: float) -> list[Round]:
         """End every live round as abandoned by a shutting-down coordinator."""
-        ended: list[Round] = []
-        for groups in self._jobs.values():
-            for group in groups.values():
-                for rnd in list(group.live.values()):
-                    key = rnd.key
-                    err = CoordinatorUnavailableError(
-                        f"{describe_round(*key)}: the coordinator shut down before ranks "
-                        f"{rnd.missing_ranks()} arrived",
-                        job=key.job,
-                        group=key.group,
-                        step=key.step,
-                        ranks=rnd.missing_ranks(),
-                    )
-                    self._finish(rnd, Outcome(key, OutcomeKind.ABORTED_SHUTDOWN, error=err), now)
-                    ended.append(rnd)
+        ended = list(self._live_rounds())
+        for rnd in ended:
+            missing = rnd.missing_ranks()
+            err = _round_error(
+                CoordinatorUnavailableError,
+                rnd.key,
+                f"the coordinator shut down before ranks {missing} arrived",
+                ranks=missing,
+            )
+            self._finish(rnd, Outcome(rnd.key, OutcomeKind.ABORTED_SHUTDOWN, error=err), now)
         return ended
+
+    def _live_rounds(self) -> Iterator[Round]:
+        # A snapshot: callers finish rounds, which moves them out of ``live``.
+        return iter(
+            [
+                rnd
+                for groups in self._jobs.values()
+                for g in groups.values()
+                for rnd in g.live.values()
+            ]
+        )
 
     def lookup(self, key: RoundKey) -> Round | None:
         """The live or cached round ``key``, or None."""
@@ -408,11 +437,10 @@ class RoundTable:
             if value > limit:
                 return self._limit(key, c.rank, name, f"{name.removeprefix('max_')} {value}", limit)
         if c.world_size == 0:
-            return InvalidPartialError(
-                f"{describe_round(*key)}: rank {c.rank} sent world_size 0",
-                job=key.job,
-                group=key.group,
-                step=key.step,
+            return _round_error(
+                InvalidPartialError,
+                key,
+                f"rank {c.rank} sent world_size 0",
                 rank=c.rank,
                 ranks=(c.rank,),
             )
@@ -422,11 +450,10 @@ class RoundTable:
     def _limit(
         key: RoundKey, rank: int | None, name: str, what: str, limit: int
     ) -> LimitExceededError:
-        return LimitExceededError(
-            f"{describe_round(*key)}: {what} exceeds the coordinator limit {name}={limit}",
-            job=key.job,
-            group=key.group,
-            step=key.step,
+        return _round_error(
+            LimitExceededError,
+            key,
+            f"{what} exceeds the coordinator limit {name}={limit}",
             rank=rank,
             limit=name,
         )
@@ -445,11 +472,10 @@ class RoundTable:
     def _refuse_new_round(self, group: _Group | None, key: RoundKey) -> LossReduceError | None:
         s = self._settings
         if self._closing:
-            return CoordinatorUnavailableError(
-                f"{describe_round(*key)}: the coordinator is shutting down and opens no new rounds",
-                job=key.job,
-                group=key.group,
-                step=key.step,
+            return _round_error(
+                CoordinatorUnavailableError,
+                key,
+                "the coordinator is shutting down and opens no new rounds",
             )
         if group is None:
             groups = self._jobs.get(key.job)
@@ -466,13 +492,12 @@ class RoundTable:
             return None
         floor = max(group.stale_floor, group.newest_step - s.retained_steps)
         if key.step <= floor:
-            return StaleRoundError(
-                f"{describe_round(*key)}: step is stale; the newest step of the group is "
+            return _round_error(
+                StaleRoundError,
+                key,
+                f"step is stale; the newest step of the group is "
                 f"{group.newest_step} and steps up to {floor} are no longer retained "
                 f"(retained_steps={s.retained_steps}, finished_cache_size={s.finished_cache_size})",
-                job=key.job,
-                group=key.group,
-                step=key.step,
                 limit="retained_steps",
             )
         if len(group.live) >= s.max_rounds_in_flight:
@@ -511,13 +536,12 @@ class RoundTable:
         self._notify_rejected(key, RejectReason.CONFLICTING)
         before = format_terms(previous.terms, previous.values)
         after = format_terms(c.terms, c.values)
-        err = ConflictingContributionError(
-            f"{describe_round(*key)}: rank {c.rank} already contributed {before} "
+        err = _round_error(
+            ConflictingContributionError,
+            key,
+            f"rank {c.rank} already contributed {before} "
             f"(world_size {previous.world_size}) and now sent {after} (world_size {c.world_size}); "
             "the round keeps the first contribution",
-            job=key.job,
-            group=key.group,
-            step=key.step,
             rank=c.rank,
             terms=c.terms,
             values=c.values,
@@ -529,12 +553,10 @@ class RoundTable:
         self, rnd: Round, rank: int, invalid: _Invalid, now: float, created: bool
     ) -> Admission:
         key = rnd.key
-        where = describe_round(*key)
-        culprit = InvalidPartialError(
-            f"{where}: rank {rank} {invalid.detail}",
-            job=key.job,
-            group=key.group,
-            step=key.step,
+        culprit = _round_error(
+            InvalidPartialError,
+            key,
+            f"rank {rank} {invalid.detail}",
             rank=rank,
             terms=invalid.terms,
             values=invalid.values,
@@ -547,11 +569,10 @@ class RoundTable:
             self._notify_rejected(key, invalid.reason)
             return Admission(None, culprit)
         self._notify_rejected(key, invalid.reason)
-        aborted = RoundAbortedError(
-            f"{where}: aborted because rank {rank} {invalid.detail}",
-            job=key.job,
-            group=key.group,
-            step=key.step,
+        aborted = _round_error(
+            RoundAbortedError,
+            key,
+            f"aborted because rank {rank} {invalid.detail}",
             terms=invalid.terms,
             values=invalid.values,
             ranks=(rank,),
@@ -569,12 +590,11 @@ class RoundTable:
             return Outcome(key, OutcomeKind.COMPLETED, normalizers=normalizers)
         terms = tuple(n.term for n in bad)
         values = tuple(n.value for n in bad)
-        err = EmptyNormalizerError(
-            f"{describe_round(*key)}: global normalizer {format_terms(terms, values)} is not "
+        err = _round_error(
+            EmptyNormalizerError,
+            key,
+            f"global normalizer {format_terms(terms, values)} is not "
             "finite and > 0; no rank may run backward for this step",
-            job=key.job,
-            group=key.group,
-            step=key.step,
             terms=terms,
             values=values,
         )
