@@ -32,26 +32,32 @@ class RoundKey(_message.Message):
     def __init__(self, job: _Optional[str] = ..., group: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class TermPartial(_message.Message):
-    __slots__ = ("term", "value", "contract")
+    __slots__ = ("term", "value", "contract", "expansion", "zero_ranks")
     TERM_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    EXPANSION_FIELD_NUMBER: _ClassVar[int]
+    ZERO_RANKS_FIELD_NUMBER: _ClassVar[int]
     term: str
     value: float
     contract: str
-    def __init__(self, term: _Optional[str] = ..., value: _Optional[float] = ..., contract: _Optional[str] = ...) -> None: ...
+    expansion: _containers.RepeatedScalarFieldContainer[float]
+    zero_ranks: int
+    def __init__(self, term: _Optional[str] = ..., value: _Optional[float] = ..., contract: _Optional[str] = ..., expansion: _Optional[_Iterable[float]] = ..., zero_ranks: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("round", "rank", "world_size", "partials")
+    __slots__ = ("round", "rank", "world_size", "partials", "covered_ranks")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
+    COVERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     round: RoundKey
     rank: int
     world_size: int
     partials: _containers.RepeatedCompositeFieldContainer[TermPartial]
-    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., partials: _Optional[_Iterable[_Union[TermPartial, _Mapping]]] = ...) -> None: ...
+    covered_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., partials: _Optional[_Iterable[_Union[TermPartial, _Mapping]]] = ..., covered_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TermNormalizer(_message.Message):
     __slots__ = ("term", "value", "zero_ranks")
