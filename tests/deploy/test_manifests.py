@@ -16,11 +16,10 @@ import os
 import re
 import secrets
 import shlex
-import socket
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,13 +178,6 @@ def _container_port(container: dict[str, Any], name: str) -> int:
     assert name in ports, f"container {container['name']} has no port named {name!r}"
     port: int = ports[name]
     return port
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _dashboard_exprs(dashboard: dict[str, Any]) -> Iterator[str]:
@@ -438,12 +430,12 @@ def test_coordinator_container_passes_the_binding_rule_with_its_secret(
 
 
 def test_coordinator_container_args_start_a_serving_coordinator(
-    coordinator_container: dict[str, Any], tmp_path: Path
+    coordinator_container: dict[str, Any], tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
     # Run the manifest's own command line and environment, moved onto free
     # loopback ports and a temporary journal.
     argv = list(coordinator_container["args"])
-    port = _free_port()
+    port = free_port()
     overrides = {
         "--host": "127.0.0.1",
         "--port": str(port),

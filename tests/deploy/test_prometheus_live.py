@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -39,7 +38,7 @@ from lossreduce.errors import (
     RoundAbortedError,
     RoundTimeoutError,
 )
-from lossreduce.server import CoordinatorSettings, CoordinatorThread, OutcomeKind
+from lossreduce.server import CoordinatorThread, OutcomeKind
 from lossreduce.trainer_worker.metrics import WorkerMetrics
 
 JOB, GROUP = "deploy-live", "actor"
@@ -189,18 +188,11 @@ def test_rewrite_config_moves_only_the_targets(
 # -- the live environment ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Prometheus:
     """A Prometheus process of this test, queried over its HTTP API."""
 
-    def __init__(self, binary: str, config: Path, storage: Path) -> None:
-        self.port = _free_port()
+    def __init__(self, binary: str, config: Path, storage: Path, port: int) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = storage.parent / "prometheus.log"
         with self.log.open("w") as log:
@@ -257,10 +249,12 @@ class Prometheus:
 
 
 @contextmanager
-def running_prometheus(binary: str, config: dict[str, Any], tmp_path: Path) -> Iterator[Prometheus]:
+def running_prometheus(
+    binary: str, config: dict[str, Any], tmp_path: Path, port: int
+) -> Iterator[Prometheus]:
     config_file = tmp_path / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config))
-    prometheus = Prometheus(binary, config_file, tmp_path / "data")
+    prometheus = Prometheus(binary, config_file, tmp_path / "data", port)
     try:
         prometheus.wait_ready()
         yield prometheus
@@ -360,10 +354,12 @@ def test_every_dashboard_and_alert_expression_returns_data(
     deploy_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    free_port: Callable[[], int],
+    coordinator_factory: Callable[..., CoordinatorThread],
 ) -> None:
-    ray_metrics_port = _free_port()
-    settings = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, round_timeout_s=0.5)
-    with CoordinatorThread(settings) as coordinator, ray_node(ray_metrics_port, monkeypatch):
+    ray_metrics_port = free_port()
+    coordinator = coordinator_factory(round_timeout_s=0.5)  # the timeout round is short
+    with ray_node(ray_metrics_port, monkeypatch):
         recorder = ray.remote(num_cpus=0)(WorkerMetrics).remote(JOB)
         targets = {
             "lossreduce-coordinator": f"127.0.0.1:{coordinator.metrics_port}",
@@ -372,7 +368,7 @@ def test_every_dashboard_and_alert_expression_returns_data(
         config = rewrite_config(
             prometheus_config, targets, deploy_dir / "prometheus" / "alerts.yml", tmp_path
         )
-        with running_prometheus(prometheus_bin, config, tmp_path) as prometheus:
+        with running_prometheus(prometheus_bin, config, tmp_path, free_port()) as prometheus:
             prometheus.wait_for(
                 "both scrape targets up",
                 lambda: (
