@@ -213,6 +213,12 @@ class TorchTrainEngine:
     given, runs after the last backward and before the optimizer step (e.g.
     an ``all_reduce`` of the gradients); every trainable parameter has a
     gradient by then, zeros on a rank without microbatches.
+
+    ``debug_check`` recomputes each microbatch's mean terms as local sums
+    (under :func:`forced_local_sums`) and raises
+    :class:`InconsistentNormalizerError` where ``mean * n_b != sum``; it
+    relies on the mean terms being computed with
+    :meth:`PolicyGradientReduction.aggregate`.
     """
 
     def __init__(

@@ -224,6 +224,11 @@ class TorchDistributedNormalizer:
     :class:`RoundAbortedError`), and (b) the sum is ``math.fsum`` in rank order,
     bit-identical to the coordinator's; an ``all_reduce`` sums in an order
     the backend chooses. The tensors are ``[world, terms]`` float64: tiny.
+
+    A rank whose request is malformed (bad term names, contracts that do not
+    match its partials) raises :class:`InvalidPartialError` after sending a
+    header no peer matches, so its peers raise :class:`ContractMismatchError`
+    rather than wait.
     """
 
     def __init__(

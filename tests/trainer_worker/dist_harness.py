@@ -131,6 +131,13 @@ def nan_on_rank(bad_rank: int) -> LossReduction:
     return LossReduction(base.loss_fn, [LossTerm("pg", normalizer, "mean", base.terms[0].contract)])
 
 
+def malformed_on_rank_0(normalizer: GlobalNormalizer, rank: int) -> dict[str, Any]:
+    """Rank 0 sends a contract for a term it has no partial for."""
+    contracts = {"kl" if rank == 0 else "pg": "mean"}
+    normalizers = normalizer.reduce(99, {"pg": torch.tensor(1.0)}, contracts)
+    return {"normalizers": normalizers}
+
+
 def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, Any]]:
     groups = all_groups()
     mine = shard(groups, rank, world)
@@ -152,6 +159,7 @@ def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, 
                 ),
             )
         ),
+        "torch_malformed": capture(lambda: malformed_on_rank_0(torch_backend, rank)),
     }
     if target is not None:
         from lossreduce.client import ReductionClient

@@ -215,6 +215,11 @@ def test_distributed_backends_match_the_local_normalizer(
                 assert res["ranks"] == (1,)
                 assert "rank 1" in res["message"]
 
+    malformed = [res["torch_malformed"] for res in results]
+    assert malformed[0]["error"] == "InvalidPartialError", malformed
+    assert "contracts name ['kl'] but partials name ['pg']" in malformed[0]["message"]
+    assert {r["error"] for r in malformed[1:]} == {"ContractMismatchError"}, malformed
+
     mismatch = [res["torch_mismatch"] for res in results]
     assert {r["error"] for r in mismatch} == {ContractMismatchError.__name__}, mismatch
     assert all("disagree" in r["message"] for r in mismatch)
