@@ -13,6 +13,7 @@ UNAVAILABLE, then the server stops.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import signal
 import threading
@@ -159,17 +160,20 @@ async def start(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"{settings.host}:{settings.port}"
-    if hardening.credentials is not None:
-        port = server.add_secure_port(address, hardening.credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if hardening.credentials is not None:
+            port = server.add_secure_port(address, hardening.credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # how grpc reports a failed bind
+        port = 0
     if port == 0:
         hardening.close()
-        raise OSError(f"cannot bind the coordinator to {settings.host}:{settings.port}")
+        raise OSError(f"cannot bind the coordinator to {address} (address in use?)")
     metrics_server = None
-    if settings.metrics_port is not None:
-        metrics_server = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
     try:
+        if settings.metrics_port is not None:
+            metrics_server = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
         await server.start()
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -270,40 +274,43 @@ class CoordinatorThread:
         return self.coordinator.metrics_url
 
     def start(self) -> CoordinatorThread:
-        """Start the thread and return once the coordinator is SERVING."""
+        """Start the thread and return once the coordinator is SERVING (or raise why not)."""
         if self._thread is not None:
             raise RuntimeError("The coordinator thread was already started.")
         loop = asyncio.new_event_loop()
-        started: asyncio.Future[Coordinator] = loop.create_future()
+        ready: concurrent.futures.Future[Coordinator] = concurrent.futures.Future()
         thread = threading.Thread(
-            target=self._run, args=(loop, started), name="lossreduce-coordinator", daemon=True
+            target=self._run, args=(loop, ready), name="lossreduce-coordinator", daemon=True
         )
         self._loop, self._thread = loop, thread
         thread.start()
-        self._coordinator = asyncio.run_coroutine_threadsafe(self._await(started), loop).result()
+        try:
+            self._coordinator = ready.result()
+        except BaseException:
+            thread.join()
+            self._loop = self._thread = None
+            raise
         return self
 
-    @staticmethod
-    async def _await(started: asyncio.Future[Coordinator]) -> Coordinator:
-        return await started
-
-    def _run(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future[Coordinator]) -> None:
+    def _run(
+        self, loop: asyncio.AbstractEventLoop, ready: concurrent.futures.Future[Coordinator]
+    ) -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(self._main(started))
+            loop.run_until_complete(self._main(ready))
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
-    async def _main(self, started: asyncio.Future[Coordinator]) -> None:
+    async def _main(self, ready: concurrent.futures.Future[Coordinator]) -> None:
         try:
             coordinator = await start(
                 self.settings, interceptors=self._interceptors, store=self._store
             )
         except BaseException as exc:
-            started.set_exception(exc)
+            ready.set_exception(exc)
             return
-        started.set_result(coordinator)
+        ready.set_result(coordinator)
         await coordinator.wait_stopped()
 
     def stop(self, grace_s: float | None = None) -> None:

@@ -76,8 +76,10 @@ def test_ranks_in_separate_processes_and_threads_share_one_round(
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """A real ``lossreduce serve`` process and its target; killed if a test leaves it running."""
+def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A real ``lossreduce serve`` process and its target; killed if a test leaves it running.
+
+    It runs in ``tmp_path``, so whatever it writes next to itself stays there."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -96,6 +98,7 @@ def served() -> Iterator[tuple[subprocess.Popen[str], str]]:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
     )
     assert proc.stdout is not None
     banner = proc.stdout.readline()

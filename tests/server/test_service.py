@@ -24,7 +24,7 @@ from lossreduce.errors import (
     RoundTimeoutError,
     StaleRoundError,
 )
-from lossreduce.server import SERVICE_NAME, CoordinatorThread
+from lossreduce.server import SERVICE_NAME, CoordinatorSettings, CoordinatorThread
 from lossreduce.v2 import coordinator_pb2 as pb
 from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Received, Send
 
@@ -372,3 +372,35 @@ def test_metrics_endpoint_exposes_every_coordinator_metric(
     ):
         assert line in text, line
     assert "lossreduce_build_info{" in text
+
+
+def test_a_rank_whose_call_expired_keeps_its_place_and_its_retry_is_deduplicated(
+    coordinator: CoordinatorThread, ranks: Ranks
+) -> None:
+    send0 = Send(rank=0, world_size=2, partials={"tokens": 1.0})
+    with pytest.raises(grpc.RpcError) as expired:
+        ranks.stub.Reduce(send0.request(), timeout=0.2)
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    status = _wait_until_arrived(ranks, send0, 1)
+    assert list(status.arrived_ranks) == [0]
+    # The retry and the last rank complete the round; the cancelled wait did not break it.
+    retry, last = ranks.round(
+        [send0, Send(rank=1, world_size=2, partials={"tokens": 2.0})], "unary"
+    )
+    assert retry.normalizers == last.normalizers == {"tokens": (3.0, 0)}
+    assert coordinator.metrics_url is not None
+    with urllib.request.urlopen(coordinator.metrics_url, timeout=CALL_TIMEOUT_S) as page:
+        text = page.read().decode()
+    assert 'lossreduce_contributions_total{group="actor",job="job-t"} 2.0' in text
+    assert 'lossreduce_retries_deduplicated_total{group="actor",job="job-t"} 1.0' in text
+
+
+def test_a_port_in_use_fails_start_with_a_clear_error(coordinator: CoordinatorThread) -> None:
+    taken = CoordinatorThread(
+        CoordinatorSettings(host="127.0.0.1", port=coordinator.port, metrics_port=None)
+    )
+    with pytest.raises(
+        OSError, match=f"cannot bind the coordinator to 127.0.0.1:{coordinator.port}"
+    ):
+        taken.start()
+    taken.stop()  # nothing running: a no-op
