@@ -111,5 +111,14 @@ def main(argv: Sequence[str]) -> int:
         scope = f"job {args.job!r}" if args.job else "any job"
         print(f"no live or recent rounds for {scope} on {args.coordinator}")
         return 0
+    # Stuck rounds first, then the newest steps of each job and group.
+    rounds.sort(
+        key=lambda s: (
+            s.state != pb.ROUND_STATE_COLLECTING,
+            s.round.job,
+            s.round.group,
+            -s.round.step,
+        )
+    )
     print(format_table(rounds))
     return 0
