@@ -34,10 +34,10 @@ import hashlib
 import hmac
 import logging
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import grpc
 from google.rpc import code_pb2
@@ -45,6 +45,8 @@ from grpc_status import rpc_status
 
 from lossreduce.errors import AuthenticationError, to_status
 from lossreduce.v2 import coordinator_pb2 as pb
+
+from .handler_wrap import Handler, checked, refusing, with_behavior
 
 __all__ = [
     "AUTHORIZATION_HEADER",
@@ -190,8 +192,6 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
 
 # -- the interceptor ---------------------------------------------------------------
 
-# grpc.RpcMethodHandler; grpc has no type stubs, so mypy sees it as Any anyway.
-Handler: TypeAlias = Any
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]
 
 
@@ -211,28 +211,6 @@ def _presented_token(details: grpc.HandlerCallDetails) -> str | None:
     return None
 
 
-def _with_behavior(handler: Handler, behavior: Callable[..., Any]) -> Handler:
-    """A handler of the same kind and (de)serializers as ``handler`` running ``behavior``."""
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(behavior, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(behavior, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(behavior, **kw)
-    return grpc.unary_unary_rpc_method_handler(behavior, **kw)
-
-
-def _refusing(handler: Handler, status: grpc.Status) -> Handler:
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort_with_status(status)
-
-    return _with_behavior(handler, refuse)
-
-
 def _denied(grant: TokenGrant, job: str) -> grpc.Status:
     return _refusal(
         code_pb2.PERMISSION_DENIED,
@@ -244,16 +222,13 @@ def _denied(grant: TokenGrant, job: str) -> grpc.Status:
 def _scoped(method: str, handler: Handler, grant: TokenGrant) -> Handler:
     """``handler`` restricted to the jobs of ``grant``."""
     name = method.removeprefix(_SERVICE)
-    if name in ("Reduce", "GetRound"):
-        unary = handler.unary_unary
 
-        async def one_round(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            job = request.round.job
-            if not grant.allows(job):
-                await context.abort_with_status(_denied(grant, job))
-            return await unary(request, context)
+    def own_round(request: Any) -> grpc.Status | None:
+        job: str = request.round.job
+        return None if grant.allows(job) else _denied(grant, job)
 
-        return _with_behavior(handler, one_round)
+    if name in ("Reduce", "GetRound", "ReduceStream"):
+        return checked(handler, own_round)
     if name == "ListRounds":
         unary = handler.unary_unary
 
@@ -270,32 +245,9 @@ def _scoped(method: str, handler: Handler, grant: TokenGrant) -> Handler:
                 rounds=[r for r in everything.rounds if grant.allows(r.round.job)]
             )
 
-        return _with_behavior(handler, listing)
-    if name == "ReduceStream":
-        stream = handler.stream_stream
-
-        async def streaming(
-            requests: AsyncIterator[pb.ReduceRequest], context: grpc.aio.ServicerContext[Any, Any]
-        ) -> AsyncIterator[pb.ReduceResponse]:
-            foreign: list[str] = []
-
-            async def own_jobs_only() -> AsyncIterator[pb.ReduceRequest]:
-                async for request in requests:
-                    if not grant.allows(request.round.job):
-                        # End the input here; the stream is refused once the
-                        # requests before this one have been answered.
-                        foreign.append(request.round.job)
-                        return
-                    yield request
-
-            async for response in stream(own_jobs_only(), context):
-                yield response
-            if foreign:
-                await context.abort_with_status(_denied(grant, foreign[0]))
-
-        return _with_behavior(handler, streaming)
+        return with_behavior(handler, listing)
     # A method this interceptor does not know how to scope: fail closed.
-    return _refusing(
+    return refusing(
         handler,
         _refusal(
             code_pb2.PERMISSION_DENIED,
@@ -320,7 +272,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         token = _presented_token(handler_call_details)
         if token is None:
-            return _refusing(
+            return refusing(
                 handler,
                 _refusal(
                     code_pb2.UNAUTHENTICATED,
@@ -331,7 +283,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         grant = self._registry.authenticate(token)
         if grant is None:
             _log.warning("refused %s: unknown bearer token", method)
-            return _refusing(
+            return refusing(
                 handler,
                 _refusal(code_pb2.UNAUTHENTICATED, f"{method}: the bearer token is not valid"),
             )

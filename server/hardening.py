@@ -1,5 +1,8 @@
 """Turn the security and journal settings into the pieces :func:`lossreduce.server.start` uses.
 
+The malformed-request guard (:mod:`lossreduce.server.wire_guard`) is always
+on; the token interceptor, TLS and the journal follow the settings.
+
 One place reads ``token_file``/``token``, ``tls_*``, ``insecure`` and
 ``journal*`` from :class:`CoordinatorSettings`, checks them together (the
 binding rule needs to know about tokens and TLS at once) and hands back the
@@ -25,6 +28,7 @@ from .security import (
     server_credentials,
 )
 from .settings import CoordinatorSettings
+from .wire_guard import MalformedRequestInterceptor
 
 __all__ = ["CONFIG_ERRORS", "Hardening", "harden"]
 
@@ -69,8 +73,12 @@ def harden(settings: CoordinatorSettings, *, store: OutcomeStore | None = None) 
         tls=tls is not None,
         insecure=settings.insecure,
     )
+    # The guard runs first, so the token check only ever sees parsed requests.
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (MalformedRequestInterceptor(),)
+    if registry is not None:
+        interceptors += (BearerTokenInterceptor(registry),)
     hardening = Hardening(
-        interceptors=() if registry is None else (BearerTokenInterceptor(registry),),
+        interceptors=interceptors,
         credentials=None if tls is None else server_credentials(tls),
         store=store,
     )

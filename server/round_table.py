@@ -38,6 +38,7 @@ from lossreduce.errors import (
 )
 from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
 
+from .limits import check_request_names
 from .outcomes import (
     Outcome,
     OutcomeKind,
@@ -430,6 +431,16 @@ class RoundTable:
 
     def _check_request_limits(self, key: RoundKey, c: Contribution) -> LossReduceError | None:
         s = self._settings
+        named = check_request_names(
+            key,
+            c.rank,
+            c.terms,
+            c.contracts,
+            max_name_length=s.max_name_length,
+            max_contract_length=s.max_contract_length,
+        )
+        if named is not None:
+            return named
         for name, value, limit in (
             ("max_terms", len(c.terms), s.max_terms),
             ("max_world_size", c.world_size, s.max_world_size),

@@ -148,3 +148,11 @@ class CoordinatorSettings(BaseSettings):
         description="Allow listening on a non-loopback host without a token or TLS (a trusted "
         "network); otherwise the coordinator refuses to start.",
     )
+    max_name_length: int = Field(
+        default=128,
+        ge=1,
+        description="Longest accepted job or group name, in characters (names must be printable).",
+    )
+    max_contract_length: int = Field(
+        default=256, ge=1, description="Longest accepted contract string of one term."
+    )

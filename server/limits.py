@@ -1,0 +1,78 @@
+"""Limits on what a request may name: job and group names, contract strings.
+
+The round table already bounds terms per contribution, world size, rounds
+in flight, groups per job and jobs, and gRPC bounds the message size
+(``max_message_bytes``); term names follow :func:`lossreduce.rules.check_term_name`.
+What was left unbounded is checked here, by the round table before a
+contribution can open a round (so a stream gets the refusal in that request's
+response and goes on):
+
+- job and group names: non-empty, at most ``max_name_length`` characters, printable
+  (no control characters: names end up in logs, metric labels and ``lossreduce status``);
+- each term's contract string: at most ``max_contract_length`` characters.
+
+Each violation is an ``InvalidPartialError`` (INVALID_ARGUMENT) for the sender
+only, whose ``limit`` names the setting. Messages quote at most the first 32
+characters of an offending name, so a hostile megabyte-long name is not echoed
+back or logged.
+"""
+
+from __future__ import annotations
+
+from lossreduce.errors import InvalidPartialError
+
+__all__ = ["check_request_names"]
+
+_QUOTE = 32
+
+
+def _quote(name: str) -> str:
+    return repr(name) if len(name) <= _QUOTE else f"{name[:_QUOTE]!r}... ({len(name)} characters)"
+
+
+def _name_problem(name: str, max_length: int) -> str | None:
+    if not name:
+        return "is empty"
+    if len(name) > max_length:
+        return f"is {len(name)} characters long, over the limit max_name_length={max_length}"
+    if not name.isprintable():
+        return "contains control or other non-printable characters"
+    return None
+
+
+def check_request_names(
+    key: tuple[str, str, int],
+    rank: int,
+    terms: tuple[str, ...],
+    contracts: tuple[str, ...],
+    *,
+    max_name_length: int,
+    max_contract_length: int,
+) -> InvalidPartialError | None:
+    """Why a contribution to round ``key`` (job, group, step) breaks a name limit, or None."""
+    job, group, step = key
+    for what, name in (("job", job), ("group", group)):
+        problem = _name_problem(name, max_length=max_name_length)
+        if problem is not None:
+            return InvalidPartialError(
+                f"{what} name {_quote(name)} {problem} (sent by rank {rank} for step {step})",
+                job=job[:_QUOTE],
+                group=group[:_QUOTE],
+                step=step,
+                rank=rank,
+                limit="max_name_length",
+            )
+    for term, contract in zip(terms, contracts, strict=True):
+        if len(contract) > max_contract_length:
+            return InvalidPartialError(
+                f"job {job!r} group {group!r} step {step}: rank {rank} sent a contract of "
+                f"{len(contract)} characters for term {_quote(term)}, over the limit "
+                f"max_contract_length={max_contract_length}",
+                job=job,
+                group=group,
+                step=step,
+                rank=rank,
+                terms=(term[:_QUOTE],),
+                limit="max_contract_length",
+            )
+    return None

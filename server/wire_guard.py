@@ -1,0 +1,76 @@
+"""Bytes that are not a request get INVALID_ARGUMENT, not an internal error.
+
+gRPC parses each message with the method's deserializer before the servicer
+runs; on bytes that are not a valid protobuf message (or hold invalid UTF-8
+in a string field) it answers UNKNOWN and logs a traceback per message. This
+interceptor swaps in a deserializer that turns such bytes into an
+:class:`Undecodable` marker, answered with ``INVALID_ARGUMENT``
+(``InvalidPartialError``) naming the method and the parse error. Undecodable
+bytes name no round, so a stream answers the requests before them and then
+ends with that status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_status import rpc_status
+
+from lossreduce.errors import InvalidPartialError, to_status
+
+from .handler_wrap import Handler, checked
+
+__all__ = ["MalformedRequestInterceptor", "Undecodable"]
+
+_SERVICE = "/lossreduce.v2.ReductionCoordinator/"
+
+
+class Undecodable:
+    """Stands in for a request whose bytes did not parse."""
+
+    __slots__ = ("reason", "size")
+
+    def __init__(self, size: int, reason: str) -> None:
+        self.size = size
+        self.reason = reason
+
+
+def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except (DecodeError, UnicodeDecodeError, ValueError) as exc:
+            return Undecodable(len(data), str(exc))
+
+    return deserialize
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Answers undecodable requests to the coordinator's methods with INVALID_ARGUMENT."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if (
+            handler is None
+            or not method.startswith(_SERVICE)
+            or handler.request_deserializer is None
+        ):
+            return handler
+
+        def well_formed(request: Any) -> grpc.Status | None:
+            if not isinstance(request, Undecodable):
+                return None
+            err = InvalidPartialError(
+                f"{method}: a {request.size}-byte message is not a valid request: {request.reason}"
+            )
+            return rpc_status.to_status(to_status(err))
+
+        return checked(handler, well_formed, _tolerant(handler.request_deserializer))
