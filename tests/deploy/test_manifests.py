@@ -583,7 +583,8 @@ def test_ray_cluster_shares_the_token_with_the_coordinator_and_every_raylet(
         for c in cluster_config[key]
         if "ray start" in c or "lossreduce serve" in c
     ]
-    token_file = next(iter(cluster_config["file_mounts"]))
+    (token_dir,) = cluster_config["file_mounts"]
+    token_file = f"{token_dir}/token"
     for command in commands:
         # Ray's workers (the trainer ranks) inherit the raylet's environment.
         assert _env_names(command) == {TOKEN_ENV}, command
