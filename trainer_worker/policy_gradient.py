@@ -330,6 +330,8 @@ class PolicyGradientReduction:
                 )
         if group_sizes is None and self.mode is PolicyGradientMode.PROMPT_MEAN:
             raise ValueError("mode 'prompt_mean' needs group_sizes (responses per prompt group)")
+        # Sums and counts in at least float32: bfloat16 cannot even count past 256.
+        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         # Select before summing: a NaN/inf loss at a masked token never enters the sum.
         masked = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
         if self.mode is PolicyGradientMode.TOKEN_MEAN:

@@ -286,3 +286,17 @@ def test_normalizer_needs_a_loss_mask() -> None:
 def test_zero_masked_checks_shapes() -> None:
     with pytest.raises(ValueError, match=r"values has shape \(2, 3\) but mask has shape \(3,\)"):
         zero_masked(ONES, torch.ones(3))
+
+
+def test_low_precision_losses_are_reduced_in_float32() -> None:
+    # 301 tokens of loss 1.0 in one response: bfloat16 cannot represent 301, so a
+    # bfloat16 sum would be off; the reduction sums and divides in float32.
+    loss = torch.ones(1, 301, dtype=torch.bfloat16)
+    mask = torch.ones(1, 301)
+    for mode in ("token_mean", "seq_mean", "prompt_mean"):
+        value = PolicyGradientReduction(mode).aggregate(
+            loss, mask, group_sizes=[1], local_mean=False
+        )
+        assert value.dtype == torch.float32
+        expected = 301.0 if mode == "token_mean" else 1.0
+        assert float(value) == expected, mode
