@@ -34,7 +34,13 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# mypy cannot follow setuptools' package-dir mapping: link the folders into
+# one `lossreduce` tree (build/typecheck, ignored by git) and check that.
+TYPECHECK_TREE := build/typecheck/lossreduce
 typecheck: $(VENV)/.installed-dev
+	rm -rf build/typecheck && mkdir -p $(TYPECHECK_TREE)
+	for f in proto/lossreduce/*; do ln -s "$$PWD/$$f" $(TYPECHECK_TREE)/; done
+	for d in server client trainer_worker; do ln -s "$$PWD/$$d" $(TYPECHECK_TREE)/$$d; done
 	$(BIN)/mypy
 
 pytest: $(VENV)/.installed-dev
