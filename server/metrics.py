@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -42,7 +42,7 @@ class _GroupSeries:
     in_flight: Gauge
     duration: Histogram
     straggler: Histogram
-    rounds: dict[OutcomeKind, Counter] = field(default_factory=dict)
+    rounds: dict[OutcomeKind, Counter]
 
 
 class CoordinatorMetrics:
@@ -130,6 +130,9 @@ class CoordinatorMetrics:
                 in_flight=self.in_flight.labels(*jg),
                 duration=self.round_duration.labels(*jg),
                 straggler=self.straggler_wait.labels(*jg),
+                # Every outcome starts at 0 so that increase() sees a group's
+                # first empty round or timeout (a series born at 1 has no rise).
+                rounds={kind: self.rounds.labels(*jg, kind.value) for kind in OutcomeKind},
             )
             self._groups[jg] = series
         return series
@@ -151,12 +154,7 @@ class CoordinatorMetrics:
     ) -> None:
         series = self._series(key)
         series.in_flight.dec()
-        counter = series.rounds.get(outcome.kind)
-        if counter is None:
-            counter = series.rounds[outcome.kind] = self.rounds.labels(
-                key.job, key.group, outcome.kind.value
-            )
-        counter.inc()
+        series.rounds[outcome.kind].inc()
         series.duration.observe(duration_s)
         if straggler_wait_s is not None:
             series.straggler.observe(straggler_wait_s)

@@ -60,6 +60,19 @@ def test_rounds_total_by_every_outcome(metered: tuple[RoundTable, CoordinatorMet
     assert value(metrics, "lossreduce_rounds_in_flight", job="job", group="actor") == 0.0
 
 
+def test_every_outcome_series_starts_at_zero_with_the_group(
+    metered: tuple[RoundTable, CoordinatorMetrics],
+) -> None:
+    # increase() over a series born at 1 is 0: the first timeout would be invisible.
+    table, metrics = metered
+    table.contribute(key(1), c(0, 2, t=1.0), 0.0)
+    for outcome in OutcomeKind:
+        assert (
+            value(metrics, "lossreduce_rounds_total", job="job", group="actor", outcome=outcome)
+            == 0.0
+        )
+
+
 def test_round_duration_and_straggler_wait(metered: tuple[RoundTable, CoordinatorMetrics]) -> None:
     table, metrics = metered
     table.contribute(key(1), c(0, 3, t=1.0), 10.0)
