@@ -77,9 +77,13 @@ class ReduceStreamSession:
             try:
                 await self._call.write(request)
             except asyncio.CancelledError:
-                # A write cut short leaves the stream's framing unknown.
-                self._break(_status(code_pb2.CANCELLED, "a stream write was cancelled"))
-                raise
+                task = asyncio.current_task()
+                if not self.broken or (task is not None and task.cancelling()):
+                    # The caller gave up mid-write: the stream's framing is unknown.
+                    self._break(_status(code_pb2.CANCELLED, "a stream write was cancelled"))
+                    raise
+                # gRPC raises CancelledError from a write on a call that _break()
+                # cancelled meanwhile; the waiter already holds StreamBrokenError.
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 self._break(_status_of(exc))
         # If the caller gives up (deadline), the waiter stays queued so the

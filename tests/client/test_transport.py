@@ -244,7 +244,7 @@ def test_round_survives_a_coordinator_restart_on_the_same_port(
             done.join()
 
 
-class _RefuseStreams(grpc.aio.ServerInterceptor):
+class _RefuseStreams(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Stands in for a proxy that cannot carry bidi streams: ReduceStream fails."""
 
     async def intercept_service(self, continuation, handler_call_details):
