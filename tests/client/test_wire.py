@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -226,3 +228,13 @@ def test_closed_error_sentences() -> None:
     assert str(closed_error("j", "g", 1, None, while_waiting=False)) == (
         "Cannot open the client for job 'j' rank 1: it has been closed."
     )
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    # A coordinator-side tool or a CPU-only driver can use the client without
+    # paying for torch; tensors are read through .item() only.
+    probe = "import sys, lossreduce.client; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "False"
