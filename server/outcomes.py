@@ -57,6 +57,7 @@ class RejectReason(StrEnum):
     DUPLICATE_TERM = "duplicate_term"
     BAD_TERM_NAME = "bad_term_name"
     CONFLICTING = "conflicting"
+    BAD_AGGREGATE = "bad_aggregate"
 
 
 class TermNormalizerValue(NamedTuple):

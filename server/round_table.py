@@ -16,6 +16,7 @@ schedules each round's deadline itself, and keeps its own per-round state in
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -62,6 +63,19 @@ class Contribution:
     terms: tuple[str, ...]
     values: tuple[float, ...]
     contracts: tuple[str, ...]
+    covers: tuple[int, ...] = ()
+    """Hierarchical aggregation: every rank this one contribution counts for (strictly
+    increasing, ``rank`` first); empty for a single rank's contribution."""
+    expansions: tuple[tuple[float, ...], ...] = ()
+    """Aggregated only, per term: the exact sum of the covered ranks' partials as a
+    non-overlapping expansion (``values`` holds the rounded sums)."""
+    zero_ranks: tuple[int, ...] = ()
+    """Aggregated only, per term: how many covered ranks sent 0."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks this contribution counts for."""
+        return self.covers or (self.rank,)
 
 
 class Round:
@@ -118,7 +132,7 @@ class Round:
         """Per-term exact sums of what has arrived (the normalizers once completed)."""
         if self.outcome is not None and self.outcome.kind is OutcomeKind.COMPLETED:
             return self.outcome.normalizers
-        return _sum_terms(self.reference.terms, [c for c in self.contributions if c is not None])
+        return _sum_terms(self.reference.terms, _distinct(self.contributions))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +165,16 @@ class _Group:
         self.last_activity = now
 
 
+def _distinct(slots: list[Contribution | None]) -> list[Contribution]:
+    """Each arrived contribution once, in rank order (an aggregate fills several slots)."""
+    return [c for r, c in enumerate(slots) if c is not None and (not c.covers or c.covers[0] == r)]
+
+
 def _sum_terms(
     terms: tuple[str, ...], contributions: list[Contribution]
 ) -> tuple[TermNormalizerValue, ...]:
+    if any(c.covers for c in contributions):
+        return _sum_aggregated(terms, contributions)
     # Rows in rank order, columns in the reference term order: [ranks, terms].
     rows = [c.values if c.terms == terms else _reorder(c, terms) for c in contributions]
     if not rows:
@@ -162,6 +183,71 @@ def _sum_terms(
         TermNormalizerValue(term, exact_sum(column), column.count(0.0))
         for term, column in zip(terms, zip(*rows, strict=True), strict=True)
     )
+
+
+def _sum_aggregated(
+    terms: tuple[str, ...], contributions: list[Contribution]
+) -> tuple[TermNormalizerValue, ...]:
+    # fsum over every rank's partial and every component of every aggregate's exact
+    # expansion: the same correctly rounded exact sum as over all ranks' partials.
+    parts: list[list[float]] = [[] for _ in terms]  # [terms][summands]
+    zeros = [0] * len(terms)
+    for c in contributions:
+        index = {t: i for i, t in enumerate(c.terms)}
+        for k, term in enumerate(terms):
+            i = index[term]
+            if c.covers:
+                parts[k].extend(c.expansions[i])
+                zeros[k] += c.zero_ranks[i]
+            else:
+                parts[k].append(c.values[i])
+                zeros[k] += c.values[i] == 0.0
+    return tuple(
+        TermNormalizerValue(term, exact_sum(summands), zero)
+        for term, summands, zero in zip(terms, parts, zeros, strict=True)
+    )
+
+
+def _check_cover(c: Contribution) -> _Invalid | None:
+    """An aggregated contribution's own consistency (its ranks were checked by the aggregator)."""
+    covers = c.covers
+    if covers[0] != c.rank or any(a >= b for a, b in itertools.pairwise(covers)):
+        return _Invalid(
+            f"sent covered_ranks {list(covers)}; they must be strictly increasing and start "
+            "at the request's rank",
+            RejectReason.BAD_AGGREGATE,
+        )
+    if covers[-1] >= c.world_size:
+        return _Invalid(
+            f"covers rank {covers[-1]}, outside world_size {c.world_size}",
+            RejectReason.RANK_OUT_OF_RANGE,
+        )
+    n = len(c.terms)
+    if len(c.expansions) != n or len(c.zero_ranks) != n:
+        return _Invalid(
+            "sent an aggregated contribution without an expansion and zero count per term",
+            RejectReason.BAD_AGGREGATE,
+        )
+    for term, value, expansion, zeros in zip(
+        c.terms, c.values, c.expansions, c.zero_ranks, strict=True
+    ):
+        if not all(math.isfinite(x) for x in expansion) or zeros > len(covers):
+            return _Invalid(
+                f"sent a malformed aggregate for term {term!r}: expansion {list(expansion)}, "
+                f"zero_ranks {zeros} of {len(covers)} ranks",
+                RejectReason.BAD_AGGREGATE,
+                (term,),
+                (value,),
+            )
+        if exact_sum(expansion) != value:
+            return _Invalid(
+                f"sent term {term!r} value {value!r} that is not the sum of its expansion "
+                f"{list(expansion)}",
+                RejectReason.BAD_AGGREGATE,
+                (term,),
+                (value,),
+            )
+    return None
 
 
 def _reorder(contribution: Contribution, terms: tuple[str, ...]) -> tuple[float, ...]:
@@ -215,6 +301,10 @@ def _validate(c: Contribution, checked_terms: tuple[str, ...]) -> _Invalid | Non
         )
     if not c.terms:
         return _Invalid("sent no partials", RejectReason.BAD_TERM_NAME)
+    if c.covers:
+        cover_problem = _check_cover(c)
+        if cover_problem is not None:
+            return cover_problem
     if c.terms != checked_terms:
         for term in c.terms:
             problem = check_term_name(term)
@@ -322,6 +412,9 @@ class RoundTable:
             group.last_activity = now
 
         previous = rnd.contribution_of(c.rank)
+        if previous is None and c.covers:
+            # An aggregate overlapping ranks that already arrived is a conflict.
+            previous = next(filter(None, map(rnd.contribution_of, c.covers)), None)
         if previous is not None:
             if previous == c:
                 self._notify_accepted(key, retry=True)
@@ -341,8 +434,9 @@ class RoundTable:
             self._finish(rnd, Outcome(key, OutcomeKind.CONTRACT_MISMATCH, error=mismatch), now)
             return Admission(rnd, created=created, finished=True)
 
-        rnd.contributions[c.rank] = c
-        rnd.arrived += 1
+        for rank in c.ranks:
+            rnd.contributions[rank] = c
+        rnd.arrived += len(c.ranks)
         rnd.previous_arrival, rnd.last_arrival = rnd.last_arrival, now
         self._notify_accepted(key, retry=False)
         if rnd.arrived < rnd.world_size:
@@ -594,8 +688,7 @@ class RoundTable:
 
     def _complete(self, rnd: Round) -> Outcome:
         key = rnd.key
-        contributions = [c for c in rnd.contributions if c is not None]
-        normalizers = _sum_terms(rnd.reference.terms, contributions)
+        normalizers = _sum_terms(rnd.reference.terms, _distinct(rnd.contributions))
         bad = [n for n in normalizers if check_global_normalizer(n.value) is not None]
         if not bad:
             return Outcome(key, OutcomeKind.COMPLETED, normalizers=normalizers)

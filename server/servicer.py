@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -157,6 +158,13 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
             values=tuple([p.value for p in parts]),
             contracts=tuple([p.contract for p in parts]),
         )
+        if request.covered_ranks:  # hierarchical aggregation: one contribution for several ranks
+            c = dataclasses.replace(
+                c,
+                covers=tuple(request.covered_ranks),
+                expansions=tuple([tuple(p.expansion) for p in parts]),
+                zero_ranks=tuple([p.zero_ranks for p in parts]),
+            )
         r = request.round
         admission = self._table.contribute(RoundKey(r.job, r.group, r.step), c, self._clock())
         rnd = admission.round
