@@ -46,10 +46,11 @@ def test_sync_states_and_use_after_close() -> None:
 
 
 def test_sync_client_stops_its_thread_on_close() -> None:
-    before = set(threading.enumerate())
-    client = ReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1)
-    (thread,) = set(threading.enumerate()) - before
-    assert "rank0" in thread.name
+    client = ReductionClient(UNUSED_TARGET, job="thread-test", group="g", rank=0, world_size=1)
+    (thread,) = [
+        t for t in threading.enumerate() if t.name == "lossreduce-client-thread-test-g-rank0"
+    ]
+    assert thread.is_alive()
     client.close()
     assert not thread.is_alive()
 
