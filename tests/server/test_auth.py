@@ -7,6 +7,7 @@ import secrets
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -125,6 +126,14 @@ def _request(job: str, step: int, value: float = 3.0) -> pb.ReduceRequest:
     )
 
 
+def _get_round(stub: pb_grpc.ReductionCoordinatorStub, token: str, job: str, step: int) -> Any:
+    return stub.GetRound(
+        pb.GetRoundRequest(round=pb.RoundKey(job=job, group="actor", step=step)),
+        metadata=bearer_metadata(token),
+        timeout=5,
+    )
+
+
 def _refusal(err: grpc.RpcError) -> LossReduceError:
     assert isinstance(err, grpc.Call)
     status = rpc_status.from_call(err)
@@ -178,12 +187,7 @@ def test_a_token_opens_a_stream_and_no_token_does_not(
 def test_a_scoped_token_works_in_its_own_job(stub: pb_grpc.ReductionCoordinatorStub) -> None:
     response = stub.Reduce(_request("job-a", 10, 2.0), metadata=bearer_metadata(SCOPED), timeout=5)
     assert response.normalizers[0].value == 2.0
-    status = stub.GetRound(
-        pb.GetRoundRequest(round=pb.RoundKey(job="job-a", group="actor", step=10)),
-        metadata=bearer_metadata(SCOPED),
-        timeout=5,
-    )
-    assert status.state == pb.ROUND_STATE_COMPLETED
+    assert _get_round(stub, SCOPED, "job-a", 10).state == pb.ROUND_STATE_COMPLETED
 
 
 def test_a_scoped_token_cannot_write_or_read_another_job(
@@ -194,11 +198,7 @@ def test_a_scoped_token_cannot_write_or_read_another_job(
         "Reduce": lambda: stub.Reduce(
             _request("job-b", 21), metadata=bearer_metadata(SCOPED), timeout=5
         ),
-        "GetRound": lambda: stub.GetRound(
-            pb.GetRoundRequest(round=pb.RoundKey(job="job-b", group="actor", step=20)),
-            metadata=bearer_metadata(SCOPED),
-            timeout=5,
-        ),
+        "GetRound": lambda: _get_round(stub, SCOPED, "job-b", 20),
         "ListRounds": lambda: stub.ListRounds(
             pb.ListRoundsRequest(job="job-b"), metadata=bearer_metadata(SCOPED), timeout=5
         ),
@@ -213,12 +213,7 @@ def test_a_scoped_token_cannot_write_or_read_another_job(
         assert "tokens.txt line 2" in err.message
         assert SCOPED not in err.message
     # The refused Reduce opened no round in the other job.
-    status = stub.GetRound(
-        pb.GetRoundRequest(round=pb.RoundKey(job="job-b", group="actor", step=21)),
-        metadata=bearer_metadata(ADMIN),
-        timeout=5,
-    )
-    assert status.state == pb.ROUND_STATE_UNKNOWN
+    assert _get_round(stub, ADMIN, "job-b", 21).state == pb.ROUND_STATE_UNKNOWN
 
 
 def test_listing_every_job_with_a_scoped_token_shows_only_its_jobs(
@@ -248,12 +243,7 @@ def test_a_scoped_stream_ends_at_the_first_foreign_request(
     assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
     assert "job 'job-b'" in str(info.value.details())
     for job, step in (("job-b", 40), ("job-a", 41)):
-        status = stub.GetRound(
-            pb.GetRoundRequest(round=pb.RoundKey(job=job, group="actor", step=step)),
-            metadata=bearer_metadata(ADMIN),
-            timeout=5,
-        )
-        assert status.state == pb.ROUND_STATE_UNKNOWN, (job, step)
+        assert _get_round(stub, ADMIN, job, step).state == pb.ROUND_STATE_UNKNOWN, (job, step)
 
 
 def test_health_answers_without_a_token(secured: CoordinatorThread) -> None:

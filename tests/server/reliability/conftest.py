@@ -21,12 +21,14 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lossreduce.client import ClientSettings
+from lossreduce.v2 import coordinator_pb2 as pb
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -177,6 +179,11 @@ class Workload:
     """
 
     terms = ("tokens", "groups", "tiny")
+    contracts: ClassVar[dict[str, str]] = {
+        "tokens": "mean:token_mean",
+        "groups": "mean:prompt_mean",
+        "tiny": "sum:constant:divisor=1",
+    }
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -188,6 +195,18 @@ class Workload:
             "groups": rng.uniform(0.0, 1e6),
             "tiny": rng.uniform(0.0, 1e-300) if rank % 3 else 0.0,
         }
+
+    def request(self, job: str, rank: int, world_size: int, step: int) -> pb.ReduceRequest:
+        """The raw ``ReduceRequest`` of one rank at one step (group ``actor``)."""
+        return pb.ReduceRequest(
+            round=pb.RoundKey(job=job, group="actor", step=step),
+            rank=rank,
+            world_size=world_size,
+            partials=[
+                pb.TermPartial(term=term, value=value, contract=self.contracts[term])
+                for term, value in self.partials(rank, step).items()
+            ],
+        )
 
     def expected(self, world_size: int, step: int) -> dict[str, float]:
         """What an uninterrupted coordinator answers: ``math.fsum`` in rank order, per term."""

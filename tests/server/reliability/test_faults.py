@@ -26,8 +26,6 @@ from lossreduce.server import CoordinatorSettings
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
-CONTRACTS = {"tokens": "mean:token_mean", "groups": "mean:prompt_mean", "tiny": "sum:x"}
-
 _RANK_PROCESS = textwrap.dedent(
     """
     import sys, time
@@ -144,7 +142,7 @@ def test_sigterm_under_load_leaves_no_round_half_answered(
             await go.wait()
             for step in range(100_000):
                 try:
-                    got = await client.reduce(step, workload.partials(r, step), CONTRACTS)
+                    got = await client.reduce(step, workload.partials(r, step), workload.contracts)
                 except CoordinatorUnavailableError:
                     outcomes[step][r] = "UNAVAILABLE"
                     return
@@ -199,6 +197,7 @@ class FreezableProxy:
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self._pumps: list[asyncio.Task[None]] = []
+        self._closing = False
         self.port = 0
 
     async def start(self) -> None:
@@ -208,8 +207,20 @@ class FreezableProxy:
     async def _accept(
         self, down_reader: asyncio.StreamReader, down_writer: asyncio.StreamWriter
     ) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self._writers += [down_writer, up_writer]
+        self._writers.append(down_writer)
+        if self._closing:
+            down_writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            down_writer.close()
+            return
+        self._writers.append(up_writer)
+        if self._closing:  # closed while connecting upstream
+            up_writer.close()
+            down_writer.close()
+            return
         self._pumps += [
             asyncio.create_task(self._pump(down_reader, up_writer, None)),
             asyncio.create_task(self._pump(up_reader, down_writer, self.upstream_closed)),
@@ -236,14 +247,16 @@ class FreezableProxy:
 
     async def close(self) -> None:
         assert self._server is not None
+        self._closing = True
         self._server.close()
+        await self._server.wait_closed()
+        await asyncio.sleep(0)  # let connections accepted just now see the flag
         for writer in self._writers:
             writer.close()
         await asyncio.gather(*self._pumps, return_exceptions=True)
         for writer in self._writers:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
-        await self._server.wait_closed()
 
 
 def test_server_keepalive_closes_a_dead_client_connection(coordinator_factory: Any) -> None:

@@ -18,23 +18,9 @@ from lossreduce.client import AsyncReductionClient, ClientSettings, RoundTimeout
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
-CONTRACTS = {"tokens": "mean:token_mean", "groups": "mean:prompt_mean", "tiny": "sum:x"}
-
 
 def _hex(normalizers: dict[str, float]) -> dict[str, str]:
     return {term: value.hex() for term, value in normalizers.items()}
-
-
-def _request(workload: Any, job: str, rank: int, world_size: int, step: int) -> pb.ReduceRequest:
-    return pb.ReduceRequest(
-        round=pb.RoundKey(job=job, group="actor", step=step),
-        rank=rank,
-        world_size=world_size,
-        partials=[
-            pb.TermPartial(term=term, value=value, contract=CONTRACTS[term])
-            for term, value in workload.partials(rank, step).items()
-        ],
-    )
 
 
 async def _arrived(stub: Any, job: str, step: int) -> list[int]:
@@ -71,7 +57,7 @@ def test_a_rank_that_missed_its_answer_gets_it_after_a_sigkill(
         async with grpc.aio.insecure_channel(server.target) as channel:
             stub = pb_grpc.ReductionCoordinatorStub(channel)
             # Rank 0 sends step 0 and hangs up before the round completes.
-            lost = stub.Reduce(_request(workload, job, 0, world, 0), timeout=30)
+            lost = stub.Reduce(workload.request(job, 0, world, 0), timeout=30)
             await _wait_arrived(stub, job, 0, {0})
             lost.cancel()
 
@@ -82,12 +68,13 @@ def test_a_rank_that_missed_its_answer_gets_it_after_a_sigkill(
             for r in (1, 2)
         ]
         got0 = await asyncio.gather(
-            *(p.reduce(0, workload.partials(p.rank, 0), CONTRACTS) for p in peers)
+            *(p.reduce(0, workload.partials(p.rank, 0), workload.contracts) for p in peers)
         )
         assert all(_hex(g) == _hex(workload.expected(world, 0)) for g in got0)
         # The peers move on to step 1 and wait there for rank 0.
         step1 = [
-            asyncio.create_task(p.reduce(1, workload.partials(p.rank, 1), CONTRACTS)) for p in peers
+            asyncio.create_task(p.reduce(1, workload.partials(p.rank, 1), workload.contracts))
+            for p in peers
         ]
         async with grpc.aio.insecure_channel(server.target) as channel:
             await _wait_arrived(pb_grpc.ReductionCoordinatorStub(channel), job, 1, {1, 2})
@@ -99,7 +86,7 @@ def test_a_rank_that_missed_its_answer_gets_it_after_a_sigkill(
         ) as rank0:
             if not journaled:
                 with pytest.raises(RoundTimeoutError) as info:
-                    await rank0.reduce(0, workload.partials(0, 0), CONTRACTS)
+                    await rank0.reduce(0, workload.partials(0, 0), workload.contracts)
                 assert info.value.missing_ranks == (1, 2)
                 for task in step1:
                     task.cancel()
@@ -107,9 +94,9 @@ def test_a_rank_that_missed_its_answer_gets_it_after_a_sigkill(
                 for p in peers:
                     await p.close()
                 return
-            retried = await rank0.reduce(0, workload.partials(0, 0), CONTRACTS)
+            retried = await rank0.reduce(0, workload.partials(0, 0), workload.contracts)
             assert _hex(retried) == _hex(got0[0])
-            mine = await rank0.reduce(1, workload.partials(0, 1), CONTRACTS)
+            mine = await rank0.reduce(1, workload.partials(0, 1), workload.contracts)
         theirs = await asyncio.gather(*step1)
         for answer in (mine, *theirs):
             assert _hex(answer) == _hex(workload.expected(world, 1))
@@ -135,7 +122,7 @@ def test_sigkill_restarts_during_a_run_lose_and_double_count_nothing(
         ) as client:
             for step in range(steps):
                 answers[r][step] = _hex(
-                    await client.reduce(step, workload.partials(r, step), CONTRACTS)
+                    await client.reduce(step, workload.partials(r, step), workload.contracts)
                 )
                 progress[r] = step + 1
 

@@ -30,7 +30,6 @@ import pytest
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
-CONTRACTS = {"tokens": "mean:token_mean", "groups": "mean:prompt_mean", "tiny": "sum:x"}
 FAULTS = ("drop", "duplicate", "cancel", "restart")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 MiB = 1024 * 1024
@@ -89,18 +88,6 @@ class Rank:
         return await self.send(request)
 
 
-def _request(workload: Any, job: str, rank: int, world: int, step: int) -> pb.ReduceRequest:
-    return pb.ReduceRequest(
-        round=pb.RoundKey(job=job, group="actor", step=step),
-        rank=rank,
-        world_size=world,
-        partials=[
-            pb.TermPartial(term=t, value=v, contract=CONTRACTS[t])
-            for t, v in workload.partials(rank, step).items()
-        ],
-    )
-
-
 def _soak(serve_factory: Any, workload: Any, *, world: int, rounds: int, fault_rate: float) -> None:
     job = "soak"
     server = serve_factory(
@@ -121,7 +108,7 @@ def _soak(serve_factory: Any, workload: Any, *, world: int, rounds: int, fault_r
                 fault = rng.choice(FAULTS) if rng.random() < fault_rate else None
                 if fault is not None:
                     faults[fault] += 1
-                response = await rank.reduce(_request(workload, job, r, world, step), fault)
+                response = await rank.reduce(workload.request(job, r, world, step), fault)
                 assert not response.error.code, response.error.message
                 answers[r][step] = repr([(n.term, n.value.hex()) for n in response.normalizers])
                 progress[r] = step + 1
