@@ -44,7 +44,7 @@ def test_token_file_lines_grant_every_job_or_the_listed_ones() -> None:
     assert admin.jobs is None
     assert admin.allows("anything")
     assert scoped is not None
-    assert scoped.jobs == {"job-a", "job-b"}
+    assert scoped.jobs == frozenset({"job-a", "job-b"})
     assert scoped.allows("job-b")
     assert not scoped.allows("job-c")
     assert scoped.source == "tokens.txt line 4"

@@ -197,7 +197,7 @@ class FreezableProxy:
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self._pumps: list[asyncio.Task[None]] = []
-        self._closing = False
+        self._closing = asyncio.Event()
         self.port = 0
 
     async def start(self) -> None:
@@ -208,7 +208,7 @@ class FreezableProxy:
         self, down_reader: asyncio.StreamReader, down_writer: asyncio.StreamWriter
     ) -> None:
         self._writers.append(down_writer)
-        if self._closing:
+        if self._closing.is_set():
             down_writer.close()
             return
         try:
@@ -217,7 +217,7 @@ class FreezableProxy:
             down_writer.close()
             return
         self._writers.append(up_writer)
-        if self._closing:  # closed while connecting upstream
+        if self._closing.is_set():  # closed while connecting upstream
             up_writer.close()
             down_writer.close()
             return
@@ -247,7 +247,7 @@ class FreezableProxy:
 
     async def close(self) -> None:
         assert self._server is not None
-        self._closing = True
+        self._closing.set()
         self._server.close()
         await self._server.wait_closed()
         await asyncio.sleep(0)  # let connections accepted just now see the flag
