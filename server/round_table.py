@@ -16,7 +16,6 @@ schedules each round's deadline itself, and keeps its own per-round state in
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -208,10 +207,17 @@ def _sum_aggregated(
     )
 
 
+def _expansion_sum(expansion: tuple[float, ...]) -> float:
+    try:
+        return math.fsum(expansion)
+    except (ValueError, OverflowError):  # inf - inf, or an overflowing exact sum
+        return math.nan
+
+
 def _check_cover(c: Contribution) -> _Invalid | None:
     """An aggregated contribution's own consistency (its ranks were checked by the aggregator)."""
     covers = c.covers
-    if covers[0] != c.rank or any(a >= b for a, b in itertools.pairwise(covers)):
+    if covers[0] != c.rank or covers != tuple(sorted(set(covers))):
         return _Invalid(
             f"sent covered_ranks {list(covers)}; they must be strictly increasing and start "
             "at the request's rank",
@@ -228,26 +234,23 @@ def _check_cover(c: Contribution) -> _Invalid | None:
             "sent an aggregated contribution without an expansion and zero count per term",
             RejectReason.BAD_AGGREGATE,
         )
-    for term, value, expansion, zeros in zip(
-        c.terms, c.values, c.expansions, c.zero_ranks, strict=True
+    # A non-finite component makes the sum non-finite (or NaN), which equals no value.
+    sums = tuple(map(_expansion_sum, c.expansions))
+    if sums == c.values and max(c.zero_ranks) <= len(covers):
+        return None
+    for term, value, total, expansion, zeros in zip(
+        c.terms, c.values, sums, c.expansions, c.zero_ranks, strict=True
     ):
-        if not all(math.isfinite(x) for x in expansion) or zeros > len(covers):
+        if total != value or zeros > len(covers):
             return _Invalid(
-                f"sent a malformed aggregate for term {term!r}: expansion {list(expansion)}, "
-                f"zero_ranks {zeros} of {len(covers)} ranks",
+                f"sent a malformed aggregate for term {term!r}: value {value!r}, expansion "
+                f"{list(expansion)} (exact sum {total!r}), zero_ranks {zeros} of "
+                f"{len(covers)} ranks; the value must be the finite sum of the expansion",
                 RejectReason.BAD_AGGREGATE,
                 (term,),
                 (value,),
             )
-        if exact_sum(expansion) != value:
-            return _Invalid(
-                f"sent term {term!r} value {value!r} that is not the sum of its expansion "
-                f"{list(expansion)}",
-                RejectReason.BAD_AGGREGATE,
-                (term,),
-                (value,),
-            )
-    return None
+    raise AssertionError("unreachable: some term failed the check above")
 
 
 def _reorder(contribution: Contribution, terms: tuple[str, ...]) -> tuple[float, ...]:

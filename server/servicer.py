@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -151,20 +150,17 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
 
     def _admit(self, request: pb.ReduceRequest) -> tuple[Contribution, Admission]:
         parts = request.partials
+        covers = tuple(request.covered_ranks)  # hierarchical aggregation; () for one rank
         c = Contribution(
             rank=request.rank,
             world_size=request.world_size,
             terms=tuple([p.term for p in parts]),
             values=tuple([p.value for p in parts]),
             contracts=tuple([p.contract for p in parts]),
+            covers=covers,
+            expansions=tuple([tuple(p.expansion) for p in parts]) if covers else (),
+            zero_ranks=tuple([p.zero_ranks for p in parts]) if covers else (),
         )
-        if request.covered_ranks:  # hierarchical aggregation: one contribution for several ranks
-            c = dataclasses.replace(
-                c,
-                covers=tuple(request.covered_ranks),
-                expansions=tuple([tuple(p.expansion) for p in parts]),
-                zero_ranks=tuple([p.zero_ranks for p in parts]),
-            )
         r = request.round
         admission = self._table.contribute(RoundKey(r.job, r.group, r.step), c, self._clock())
         rnd = admission.round

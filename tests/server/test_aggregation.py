@@ -165,9 +165,11 @@ def test_aggregate_overlapping_arrived_ranks_conflicts():
     [
         ({"covers": (0, 2, 1)}, "strictly increasing"),
         ({"covers": (0, 1, 9)}, "outside world_size 4"),
-        ({"values": (99.0, 3.0)}, "not the sum of its expansion"),
+        ({"values": (99.0, 3.0)}, "must be the finite sum of the expansion"),
         ({"zero_ranks": (4, 0)}, "zero_ranks 4 of 3 ranks"),
         ({"expansions": ((1.0, math.inf), (3.0,))}, "malformed aggregate"),
+        ({"expansions": ((math.inf, -math.inf), (3.0,))}, "malformed aggregate"),
+        ({"expansions": ((1.0,), (3.0,)), "zero_ranks": (0,)}, "zero count per term"),
     ],
 )
 def test_malformed_aggregate_is_invalid_and_aborts_the_round(change, match):
@@ -216,7 +218,7 @@ def run_nodes(target: str, world: int, per_node: int, values, step: int = 1):
         ]
         try:
             for node in nodes:
-                await node.__aenter__()
+                node.start()
             order = list(range(world))
             random.Random(step).shuffle(order)
             calls = {
@@ -233,7 +235,7 @@ def run_nodes(target: str, world: int, per_node: int, values, step: int = 1):
             return dict(zip(calls, results, strict=True))
         finally:
             for node in nodes:
-                await node.__aexit__(None, None, None)
+                await node.close()
             for ch in channels:
                 await ch.close()
 
