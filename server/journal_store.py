@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,8 @@ from .journal import JournalError, JournalRecord, RoundJournal
 from .outcomes import Outcome, OutcomeKind, RoundKey, TermNormalizerValue
 
 __all__ = ["JournalOutcomeStore", "decode_outcome", "encode_outcome"]
+
+_log = logging.getLogger(__name__)
 
 _FORMAT = 1
 
@@ -85,13 +88,30 @@ class JournalOutcomeStore:
     def __init__(self, journal: RoundJournal, *, clock: Callable[[], float] = time.time) -> None:
         self.journal = journal
         self._clock = clock
+        self.failed_writes = 0
+        """Outcomes answered although the journal could not be written."""
 
     def put(self, outcome: Outcome) -> None:
-        """Commit ``outcome``; returns once it is in the journal."""
+        """Commit ``outcome``; returns once it is in the journal.
+
+        If the journal cannot be written (disk full, file removed), the round
+        is still answered: ranks waiting on it must not hang. That round is
+        then not durable, which is logged as an error and counted in
+        :attr:`failed_writes`.
+        """
         key = outcome.key
-        self.journal.put(
-            JournalRecord(key.job, key.group, key.step, self._clock(), encode_outcome(outcome))
-        )
+        record = JournalRecord(key.job, key.group, key.step, self._clock(), encode_outcome(outcome))
+        try:
+            self.journal.put(record)
+        except JournalError as exc:
+            self.failed_writes += 1
+            _log.error(
+                "job %r group %r step %d: %s; answering the round anyway, without durability",
+                key.job,
+                key.group,
+                key.step,
+                exc,
+            )
 
     def get(self, key: RoundKey) -> Outcome | None:
         """The journaled outcome of a round finished before this coordinator started."""

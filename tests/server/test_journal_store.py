@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Iterator
@@ -98,6 +99,19 @@ def test_the_store_answers_rounds_from_before_the_restart(tmp_path: Path) -> Non
         assert restored.normalizers == _outcomes()[0].normalizers
         assert store.get(KEY._replace(step=13)) is None
         assert [r.step for r in journal.records()] == [12]
+
+
+def test_a_journal_that_cannot_be_written_does_not_block_the_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = RoundJournal(JournalSettings(path=tmp_path / "j.sqlite3")).open()
+    store = JournalOutcomeStore(journal)
+    journal.close()  # e.g. the disk went away underneath
+    with caplog.at_level(logging.ERROR, logger="lossreduce.server.journal_store"):
+        store.put(_outcomes()[0])
+    assert store.failed_writes == 1
+    assert "answering the round anyway" in caplog.text
+    assert "job 'job' group 'actor' step 12" in caplog.text
 
 
 # -- a coordinator restarted on its journal -------------------------------------------
