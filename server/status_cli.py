@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import grpc
 
+from lossreduce.client import ClientSettings, channel_options
+from lossreduce.client._transport import call_metadata, channel_credentials
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
@@ -78,7 +81,32 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="SECONDS", help="RPC deadline [default: 10]"
     )
+    # Credentials, as the client takes them; the bearer token comes from LOSSREDUCE_TOKEN.
+    for flag, help_ in (
+        ("--tls-root-cert", "PEM CA bundle to verify a TLS coordinator with"),
+        ("--tls-client-cert", "PEM client certificate (mutual TLS)"),
+        ("--tls-client-key", "PEM key of --tls-client-cert"),
+    ):
+        parser.add_argument(flag, type=Path, help=help_)
+    parser.add_argument("--tls-server-name", help="name expected in the coordinator's certificate")
     return parser
+
+
+def _connect(args: argparse.Namespace) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
+    """A channel with the credentials of the flags (and LOSSREDUCE_TOKEN), and its call metadata."""
+    settings = ClientSettings(
+        tls_root_cert=args.tls_root_cert,
+        tls_client_cert=args.tls_client_cert,
+        tls_client_key=args.tls_client_key,
+        tls_server_name=args.tls_server_name,
+    )
+    credentials = channel_credentials(settings)
+    options = channel_options(settings)
+    if credentials is None:
+        channel = grpc.insecure_channel(args.coordinator, options=options)
+    else:
+        channel = grpc.secure_channel(args.coordinator, credentials, options=options)
+    return channel, call_metadata(settings)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -90,16 +118,23 @@ def main(argv: Sequence[str]) -> int:
     if args.group is not None and not args.job:
         print("lossreduce status: --group and --step need --job", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(args.coordinator) as channel:
+    channel, metadata = _connect(args)
+    with channel:
         stub = pb_grpc.ReductionCoordinatorStub(channel)
         try:
             if args.group is None:
                 rounds = list(
-                    stub.ListRounds(pb.ListRoundsRequest(job=args.job), timeout=args.timeout).rounds
+                    stub.ListRounds(
+                        pb.ListRoundsRequest(job=args.job), timeout=args.timeout, metadata=metadata
+                    ).rounds
                 )
             else:
                 key = pb.RoundKey(job=args.job, group=args.group, step=args.step)
-                rounds = [stub.GetRound(pb.GetRoundRequest(round=key), timeout=args.timeout)]
+                rounds = [
+                    stub.GetRound(
+                        pb.GetRoundRequest(round=key), timeout=args.timeout, metadata=metadata
+                    )
+                ]
         except grpc.RpcError as err:
             print(
                 f"lossreduce status: cannot query {args.coordinator}: "

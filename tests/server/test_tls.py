@@ -375,3 +375,29 @@ def test_lossreduce_serve_says_why_it_refuses(tmp_path: Path) -> None:
     assert "refusing to listen on 0.0.0.0:0 without a token or TLS" in result.stderr
     assert "--insecure" in result.stderr
     assert not list(tmp_path.iterdir()), "a refused start leaves no journal behind"
+
+
+def test_lossreduce_status_uses_the_same_credentials(
+    start,
+    pki: Pki,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lossreduce.server import status_cli
+
+    token = secrets.token_urlsafe(24)
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"{token}\n")
+    token_file.chmod(0o600)
+    coord = start(tls_cert=pki.server.cert, tls_key=pki.server.key, token_file=token_file)
+    _reduce(coord.target, _client_settings(tls_root_cert=pki.ca.root, token=token), job="seen")
+    argv = ["--coordinator", coord.target, "--tls-root-cert", str(pki.ca.root)]
+    monkeypatch.delenv("LOSSREDUCE_TOKEN", raising=False)
+    assert status_cli.main(argv) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("LOSSREDUCE_TOKEN", token)
+    assert status_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "seen" in out
+    assert token not in out
