@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from lossreduce.trainer_worker.train_settings import TrainSettings
 
@@ -114,7 +115,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         result = run(settings, console=console)
     except TrainingFailedError as err:
-        console.print(f"[bold red]{PROG}: failed:[/] {err}", highlight=False)
+        console.print(f"[bold red]{PROG}: failed:[/] {escape(str(err))}", highlight=False)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -81,6 +81,11 @@ class CoordinatorHandle:
     name: str
     target: str
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the actor serves (raises the actor's error if it could not start)."""
+        served: str = ray.get(self.actor.target.remote(), timeout=timeout_s)
+        assert served == self.target, (served, self.target)
+
     def stop(self) -> None:
         try:
             ray.get(self.actor.stop.remote(), timeout=30)
@@ -89,19 +94,25 @@ class CoordinatorHandle:
 
 
 def start_coordinator_actor(
-    job: str, round_timeout_s: float, token: SecretStr, timeout_s: float
+    job: str, round_timeout_s: float, token: SecretStr
 ) -> CoordinatorHandle:
-    """Start the named coordinator actor for ``job`` on this node and wait until it serves."""
+    """Start the named coordinator actor for ``job`` on this node.
+
+    Returns at once: the address is known up front (this node, a port chosen
+    here), so the workers can start meanwhile; :meth:`CoordinatorHandle.wait_ready`
+    waits for it to serve.
+    """
     name = f"lossreduce-coordinator-{job}"
     node_id = ray.get_runtime_context().get_node_id()
     one_node = sum(1 for node in ray.nodes() if node.get("Alive")) == 1
     host = LOOPBACK if one_node else "0.0.0.0"
+    port = free_port(host)
+    target = f"{host if one_node else ray.util.get_node_ip_address()}:{port}"
     actor_cls = ray.remote(CoordinatorActor)
     actor = actor_cls.options(
         name=name,
         num_cpus=0,
         max_restarts=COORDINATOR_MAX_RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(host, free_port(host), round_timeout_s, token)
-    target: str = ray.get(actor.target.remote(), timeout=timeout_s)
+    ).remote(host, port, round_timeout_s, token)
     return CoordinatorHandle(actor=actor, name=name, target=target)

@@ -290,11 +290,13 @@ def _record(
     seconds: float,
 ) -> StepRecord:
     first = results[0]
+    # Show normalizers in the loss's term order (backends may return them sorted).
+    order = [*first.losses, *sorted(set(first.normalizers) - set(first.losses))]
     return StepRecord(
         step=step,
         reward=reward,
         losses=dict(first.losses),
-        normalizers=dict(first.normalizers),
+        normalizers={term: first.normalizers[term] for term in order},
         round_latency_s=max(r.round_latency_s for r in results),
         step_seconds=seconds,
         skipped=first.skipped,
@@ -406,14 +408,14 @@ def run(
             token = ClientSettings().token if target is not None else None
             if settings.normalizer == "coordinator" and target is None:
                 token = SecretStr(secrets.token_urlsafe(32))
-                coordinator = start_coordinator_actor(
-                    job, settings.round_timeout_s, token, STARTUP_TIMEOUT_S
-                )
+                coordinator = start_coordinator_actor(job, settings.round_timeout_s, token)
                 target = coordinator.target
             placement = create_worker_placement(
                 settings.workers, settings.placement, STARTUP_TIMEOUT_S
             )
             workers = _start_workers(settings, job, placement, target, token)
+            if coordinator is not None:
+                coordinator.wait_ready(STARTUP_TIMEOUT_S)
             console.print(
                 f"lossreduce train: job {job!r}, {settings.workers} workers "
                 f"({'GPU' if placement.use_gpu else 'CPU'}, {settings.placement}), "

@@ -21,12 +21,16 @@ class PolicyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    input_vocab: int = Field(12, ge=2, description="Number of token ids the policy reads.")
-    output_vocab: int = Field(11, ge=2, description="Number of token ids the policy can emit.")
-    max_len: int = Field(16, ge=2, description="Longest prompt + response, in tokens.")
-    d_model: int = Field(64, ge=8, description="Width of the residual stream.")
-    n_heads: int = Field(4, ge=1, description="Attention heads per layer (must divide d_model).")
-    n_layers: int = Field(2, ge=1, description="Number of transformer blocks.")
+    input_vocab: int = Field(default=12, ge=2, description="Number of token ids the policy reads.")
+    output_vocab: int = Field(
+        default=11, ge=2, description="Number of token ids the policy can emit."
+    )
+    max_len: int = Field(default=16, ge=2, description="Longest prompt + response, in tokens.")
+    d_model: int = Field(default=64, ge=8, description="Width of the residual stream.")
+    n_heads: int = Field(
+        default=4, ge=1, description="Attention heads per layer (must divide d_model)."
+    )
+    n_layers: int = Field(default=2, ge=1, description="Number of transformer blocks.")
 
 
 class _Block(nn.Module):

@@ -145,7 +145,7 @@ class RunOutputs:
 
     def write_plot(self) -> None:
         steps = [r.step for r in self.records]
-        fig, (ax_reward, ax_loss) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        fig, (ax_reward, ax_loss, ax_norm) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
         ax_reward.plot(steps, [r.reward for r in self.records], marker=".", color="tab:green")
         ax_reward.set_ylabel("mean reward")
         ax_reward.set_ylim(0, 1)
@@ -154,11 +154,19 @@ class RunOutputs:
         for term in terms:
             points = [(r.step, r.losses[term]) for r in self.records if term in r.losses]
             ax_loss.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=term)
-        ax_loss.set_xlabel("step")
         ax_loss.set_ylabel("global loss per term")
         ax_loss.grid(alpha=0.3)
+        for term in terms:
+            points = [(r.step, r.normalizers[term]) for r in self.records if term in r.normalizers]
+            ax_norm.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=term)
+        ax_norm.set_xlabel("step")
+        ax_norm.set_ylabel("global normalizer N")
+        ax_norm.grid(alpha=0.3)
         if terms:
+            # Counts of tokens, responses and groups differ by orders of magnitude.
+            ax_norm.set_yscale("log")
             ax_loss.legend()
+            ax_norm.legend()
         fig.suptitle("lossreduce train")
         fig.tight_layout()
         fig.savefig(self.plot_path, dpi=100)

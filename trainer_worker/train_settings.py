@@ -30,103 +30,117 @@ class TrainSettings(BaseModel):
         "cluster sized to this machine and shut it down at the end).",
     )
     num_cpus: int | None = Field(
-        None, ge=1, description="CPUs of the local Ray cluster (default: all of this machine)."
+        default=None,
+        ge=1,
+        description="CPUs of the local Ray cluster (default: all of this machine).",
     )
-    workers: int = Field(2, ge=1, le=256, description="Number of TrainerWorker actors (ranks).")
+    workers: int = Field(
+        default=2, ge=1, le=256, description="Number of TrainerWorker actors (ranks)."
+    )
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="Placement-group strategy for the worker bundles."
+        default="PACK", description="Placement-group strategy for the worker bundles."
     )
     coordinator: str | None = Field(
-        None,
+        default=None,
         pattern=r"^[^\s:]+:\d{1,5}$",
         description="HOST:PORT of an external coordinator (e.g. `lossreduce serve`); "
         "default: start one as a named Ray actor.",
     )
     normalizer: Literal["coordinator", "torch"] = Field(
-        "coordinator",
+        default="coordinator",
         description="Where global normalizers come from: the coordinator over gRPC, or a "
         "torch.distributed all-reduce among the workers.",
     )
     round_timeout_s: float = Field(
-        30.0,
+        default=30.0,
         gt=0,
         description="Round timeout of the embedded coordinator, in seconds; also bounds how "
         "long the driver waits for a step beyond it before declaring it hung.",
     )
     step_timeout_s: float = Field(
-        600.0,
+        default=600.0,
         gt=0,
         description="Longest the driver waits for the workers to finish one phase of a step "
         "(sampling or training) before declaring the run hung.",
     )
     job: str | None = Field(
-        None,
+        default=None,
         pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
         description="Job name for coordinator rounds and metrics (default: train-<timestamp>).",
     )
     # -- the RL loop ----------------------------------------------------------
-    steps: int = Field(60, ge=1, description="Training steps (one batch of rollouts each).")
-    prompts_per_step: int = Field(64, ge=1, description="Prompts sampled per step.")
+    steps: int = Field(default=60, ge=1, description="Training steps (one batch of rollouts each).")
+    prompts_per_step: int = Field(default=64, ge=1, description="Prompts sampled per step.")
     samples_per_prompt: int = Field(
-        8, ge=2, description="Responses sampled per prompt (the GRPO group size before filtering)."
+        default=8,
+        ge=2,
+        description="Responses sampled per prompt (the GRPO group size before filtering).",
     )
     microbatches: int = Field(
-        2, ge=1, description="Microbatches each worker splits its shard into (groups stay whole)."
+        default=2,
+        ge=1,
+        description="Microbatches each worker splits its shard into (groups stay whole).",
     )
     mode: Mode = Field(
-        "token_mean",
+        default="prompt_mean",
         description="Policy-gradient reduction: token_mean (DAPO), seq_mean (GRPO), "
         "prompt_mean (every prompt weighs the same), constant (Dr. GRPO, needs --divisor).",
     )
     divisor: float | None = Field(
-        None,
+        default=None,
         gt=0,
         allow_inf_nan=False,
         description="Token budget C of --mode constant (default there: --response-len); "
         "rejected with any other mode.",
     )
     kl_coef: float = Field(
-        0.0,
+        default=0.02,
         ge=0,
         allow_inf_nan=False,
         description="Weight of the KL-to-reference term (its own token_mean normalizer); 0 "
         "leaves the term out.",
     )
     clip_eps: float = Field(
-        0.2,
+        default=0.2,
         gt=0,
         lt=1,
         description="PPO ratio clip: ratios outside 1 +- clip_eps stop the gradient.",
     )
-    lr: float = Field(5e-3, gt=0, allow_inf_nan=False, description="Adam learning rate.")
+    lr: float = Field(default=5e-3, gt=0, allow_inf_nan=False, description="Adam learning rate.")
     temperature: float = Field(
-        1.0, gt=0, allow_inf_nan=False, description="Sampling temperature of rollouts."
+        default=1.0, gt=0, allow_inf_nan=False, description="Sampling temperature of rollouts."
     )
     on_empty_step: Literal["raise", "skip"] = Field(
-        "skip",
+        default="skip",
         description="A step whose filter left no tokens anywhere: raise (stop the run with "
         "an error) or skip (no backward, no optimizer step) — applied on every rank.",
     )
-    seed: int = Field(0, ge=0, description="Seed of the model init, prompts and sampling.")
+    seed: int = Field(default=0, ge=0, description="Seed of the model init, prompts and sampling.")
     # -- task and model -------------------------------------------------------
-    prompt_len: int = Field(3, ge=2, le=8, description="Digits shown in each prompt.")
-    response_len: int = Field(4, ge=1, le=8, description="Digits each response must continue.")
-    max_step: int = Field(
-        3, ge=1, le=9, description="Hidden rule: progression steps are drawn from 1..max_step."
+    prompt_len: int = Field(default=3, ge=2, le=8, description="Digits shown in each prompt.")
+    response_len: int = Field(
+        default=4, ge=1, le=8, description="Digits each response must continue."
     )
-    d_model: int = Field(64, ge=8, description="Policy width.")
-    layers: int = Field(2, ge=1, description="Policy transformer blocks.")
-    heads: int = Field(4, ge=1, description="Attention heads per block.")
+    max_step: int = Field(
+        default=3,
+        ge=1,
+        le=9,
+        description="Hidden rule: progression steps are drawn from 1..max_step.",
+    )
+    d_model: int = Field(default=64, ge=8, description="Policy width.")
+    layers: int = Field(default=2, ge=1, description="Policy transformer blocks.")
+    heads: int = Field(default=4, ge=1, description="Attention heads per block.")
     # -- output ---------------------------------------------------------------
     out: Path | None = Field(
-        None, description="Directory for metrics.jsonl and the plot (default: runs/<timestamp>/)."
+        default=None,
+        description="Directory for metrics.jsonl and the plot (default: runs/<timestamp>/).",
     )
     verify: bool = Field(
-        False,
+        default=False,
         description="Instead of training, check partition invariance on one step: gradients "
         "reduced across the workers vs. one process with all the data.",
     )
-    progress: bool = Field(True, description="Show the live progress bar.")
+    progress: bool = Field(default=True, description="Show the live progress bar.")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainSettings:
