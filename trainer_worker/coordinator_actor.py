@@ -6,6 +6,11 @@ driver chose there, so when Ray restarts it (``max_restarts``) it comes back
 at the *same* address: the workers' clients see ``UNAVAILABLE`` for a moment,
 retry within their budget and re-send their (idempotent) contributions.
 
+Restarts: the actor journals every finished round to a SQLite file on this
+node (:func:`default_journal`, in the temp dir), so the restarted process
+answers a retry of a round that finished before the crash identically
+instead of collecting it again (see server/README_GUARANTEES.md).
+
 Security: the coordinator accepts only a bearer token made fresh for each run
 (the driver hands it to the workers through Ray). On a one-node cluster it
 listens on loopback only; on a multi-node cluster on every interface, where
@@ -15,9 +20,12 @@ the token travels in clear text — use an external coordinator with TLS
 
 from __future__ import annotations
 
+import re
 import socket
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import ray
 from pydantic import SecretStr
@@ -28,6 +36,7 @@ __all__ = [
     "LOOPBACK",
     "CoordinatorActor",
     "CoordinatorHandle",
+    "default_journal",
     "free_port",
     "start_coordinator_actor",
 ]
@@ -49,11 +58,25 @@ def free_port(host: str = "0.0.0.0") -> int:
 class CoordinatorActor:
     """Serves the coordinator's gRPC API (and /metrics) from a Ray actor."""
 
-    def __init__(self, host: str, port: int, round_timeout_s: float, token: SecretStr) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        round_timeout_s: float,
+        token: SecretStr,
+        journal: Path | None = None,
+    ) -> None:
         from lossreduce.server import CoordinatorSettings, CoordinatorThread
 
+        # A restarted actor reopens the same journal and answers retries of the
+        # rounds its previous incarnation finished (server/README_GUARANTEES.md).
         settings = CoordinatorSettings(
-            host=host, port=port, metrics_port=0, round_timeout_s=round_timeout_s, token=token
+            host=host,
+            port=port,
+            metrics_port=0,
+            round_timeout_s=round_timeout_s,
+            token=token,
+            journal=journal,
         )
         self._thread = CoordinatorThread(settings).start()
         # Workers on other nodes dial this node's IP; on loopback, the loopback address.
@@ -80,6 +103,7 @@ class CoordinatorHandle:
     actor: Any
     name: str
     target: str
+    journal: Path | None = None
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the actor serves (raises the actor's error if it could not start)."""
@@ -91,17 +115,33 @@ class CoordinatorHandle:
             ray.get(self.actor.stop.remote(), timeout=30)
         finally:
             ray.kill(self.actor, no_restart=True)
+            if self.journal is not None:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{self.journal}{suffix}").unlink(missing_ok=True)
+
+
+def default_journal(job: str) -> Path:
+    """Where the coordinator actor of ``job`` journals: this node's temp dir."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", job)
+    return Path(tempfile.gettempdir()) / f"lossreduce-coordinator-{safe}.sqlite3"
 
 
 def start_coordinator_actor(
-    job: str, round_timeout_s: float, token: SecretStr
+    job: str,
+    round_timeout_s: float,
+    token: SecretStr,
+    journal: Path | Literal["tmp"] | None = "tmp",
 ) -> CoordinatorHandle:
     """Start the named coordinator actor for ``job`` on this node.
 
     Returns at once: the address is known up front (this node, a port chosen
     here), so the workers can start meanwhile; :meth:`CoordinatorHandle.wait_ready`
-    waits for it to serve.
+    waits for it to serve. The actor journals finished rounds to ``journal``
+    (``"tmp"``: :func:`default_journal`; None: no journal); it is pinned to
+    this node, so a restarted actor finds the file again. ``stop()`` deletes it.
     """
+    journal_path = default_journal(job) if journal == "tmp" else journal
+    assert not isinstance(journal_path, str)
     name = f"lossreduce-coordinator-{job}"
     node_id = ray.get_runtime_context().get_node_id()
     one_node = sum(1 for node in ray.nodes() if node.get("Alive")) == 1
@@ -114,5 +154,5 @@ def start_coordinator_actor(
         num_cpus=0,
         max_restarts=COORDINATOR_MAX_RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(host, port, round_timeout_s, token)
-    return CoordinatorHandle(actor=actor, name=name, target=target)
+    ).remote(host, port, round_timeout_s, token, journal_path)
+    return CoordinatorHandle(actor=actor, name=name, target=target, journal=journal_path)

@@ -104,7 +104,7 @@ class TrainSettings(BaseModel):
         default=0.2,
         gt=0,
         lt=1,
-        description="PPO ratio clip: ratios outside 1 +- clip_eps stop the gradient.",
+        description="PPO clip range: the probability ratio is clipped to [1 - clip_eps, 1 + clip_eps].",
     )
     lr: float = Field(default=5e-3, gt=0, allow_inf_nan=False, description="Adam learning rate.")
     temperature: float = Field(

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import ray
 
 from lossreduce.trainer_worker.placement import (
     BundleSlot,
@@ -13,6 +12,7 @@ from lossreduce.trainer_worker.placement import (
     describe_slot,
     order_slots,
 )
+from tests.trainer_worker.ray_harness import local_ray
 
 
 def test_ranks_are_ordered_by_node_ip_then_node_id_then_bundle() -> None:
@@ -38,11 +38,8 @@ def test_describe_slot_names_ip_and_node_id() -> None:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 @pytest.mark.ray

@@ -27,6 +27,7 @@ from lossreduce.trainer_worker.driver import (
 )
 from lossreduce.trainer_worker.outputs import StepRecord
 from lossreduce.trainer_worker.train_settings import TrainSettings
+from tests.trainer_worker.ray_harness import local_ray
 
 pytestmark = pytest.mark.ray
 
@@ -45,11 +46,8 @@ TINY: dict[str, Any] = {
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 MODES = ["token_mean", "seq_mean", "prompt_mean", "constant"]
@@ -241,3 +239,26 @@ def test_bad_arguments_give_one_line_naming_flag_and_value(
     assert err.count("\n") == 1
     assert err.startswith("lossreduce train: error: ")
     assert expected in err
+
+
+class KillCoordinator:
+    """Kills the embedded coordinator actor (letting Ray restart it) before ``step`` trains."""
+
+    def __init__(self, job: str, step: int) -> None:
+        self.job, self.step = job, step
+
+    def on_rollout(self, step: int) -> None:
+        if step == self.step:
+            actor = ray.get_actor(f"lossreduce-coordinator-{self.job}")
+            ray.kill(actor, no_restart=False)
+
+    def on_step(self, record: StepRecord) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_ray_restarts_a_dead_coordinator_actor_and_training_continues(tmp_path: Path) -> None:
+    settings = tiny(tmp_path / "run", steps=3, job="restart")
+    result = run(settings, observers=[KillCoordinator("restart", step=1)])
+    # Same address after the restart: the workers' retries reached it and every step trained.
+    assert [(r.step, r.skipped) for r in result.records] == [(0, False), (1, False), (2, False)]
