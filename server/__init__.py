@@ -6,9 +6,17 @@
   table for Prometheus; ``app`` runs it all (:func:`serve`,
   :class:`CoordinatorThread`); ``cli`` and ``status_cli`` are ``lossreduce
   serve`` and ``lossreduce status``.
+- Reliability and security (``server/README_GUARANTEES.md``): ``journal`` and
+  ``journal_store`` persist finished rounds before they are answered; ``auth``
+  checks bearer tokens and job scopes; ``security`` holds TLS and the binding
+  rule; ``limits`` and ``wire_guard`` refuse over-long names and undecodable
+  bytes; ``hardening`` assembles them from the settings.
 """
 
 from .app import SERVICE_NAME, Coordinator, CoordinatorThread, serve, start
+from .auth import BearerTokenInterceptor, TokenFileError, TokenGrant, TokenRegistry, load_tokens
+from .journal import JournalError, JournalRecord, JournalSettings, RoundJournal
+from .journal_store import JournalOutcomeStore
 from .metrics import CoordinatorMetrics
 from .outcomes import (
     Outcome,
@@ -20,27 +28,40 @@ from .outcomes import (
     TermNormalizerValue,
 )
 from .round_table import Admission, Contribution, Round, RoundTable
+from .security import InsecureBindingError, TlsConfigError
 from .servicer import CoordinatorServicer
 from .settings import CoordinatorSettings
 
 __all__ = [
     "SERVICE_NAME",
     "Admission",
+    "BearerTokenInterceptor",
     "Contribution",
     "Coordinator",
     "CoordinatorMetrics",
     "CoordinatorServicer",
     "CoordinatorSettings",
     "CoordinatorThread",
+    "InsecureBindingError",
+    "JournalError",
+    "JournalOutcomeStore",
+    "JournalRecord",
+    "JournalSettings",
     "Outcome",
     "OutcomeKind",
     "OutcomeStore",
     "RejectReason",
     "Round",
+    "RoundJournal",
     "RoundKey",
     "RoundObserver",
     "RoundTable",
     "TermNormalizerValue",
+    "TlsConfigError",
+    "TokenFileError",
+    "TokenGrant",
+    "TokenRegistry",
+    "load_tokens",
     "serve",
     "start",
 ]
