@@ -262,6 +262,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, registry: TokenRegistry) -> None:
         self._registry = registry
         self._unauthenticated_methods = _UNAUTHENTICATED_METHODS
+        self._scoped: dict[tuple[str, TokenGrant], tuple[Handler, Handler]] = {}
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -289,4 +290,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         if grant.jobs is None:
             return handler
-        return _scoped(method, handler, grant)
+        # Wrap each (method, grant) once; the registered handler is one object per method.
+        cached = self._scoped.get((method, grant))
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        scoped = _scoped(method, handler, grant)
+        self._scoped[(method, grant)] = (handler, scoped)
+        return scoped

@@ -51,6 +51,9 @@ def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Answers undecodable requests to the coordinator's methods with INVALID_ARGUMENT."""
 
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
@@ -64,6 +67,16 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[m
             or handler.request_deserializer is None
         ):
             return handler
+        # The registered handler of a method is one object: wrap it once, not per call.
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    @staticmethod
+    def _wrap(method: str, handler: Handler) -> Handler:
 
         def well_formed(request: Any) -> grpc.Status | None:
             if not isinstance(request, Undecodable):
