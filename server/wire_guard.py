@@ -77,6 +77,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[m
 
     @staticmethod
     def _wrap(method: str, handler: Handler) -> Handler:
+        """``handler`` with a tolerant deserializer and a check for its markers."""
 
         def well_formed(request: Any) -> grpc.Status | None:
             if not isinstance(request, Undecodable):
