@@ -32,6 +32,8 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
+    if ray.is_initialized():  # a session another module left behind
+        ray.shutdown()
     ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         yield
