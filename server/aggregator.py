@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from lossreduce.errors import (
     ConflictingContributionError,
     CoordinatorUnavailableError,
     InvalidPartialError,
+    LossReduceError,
     describe_round,
     from_status,
 )
@@ -73,10 +75,14 @@ class RankContribution:
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _terms_ok(terms: tuple[str, ...]) -> bool:
+    # A node sends the same few term tuples every step: check each tuple's names once.
+    return bool(terms) and len(set(terms)) == len(terms) and not any(map(check_term_name, terms))
+
+
 def _valid_alone(c: RankContribution) -> bool:
-    if not 0 <= c.rank < c.world_size or not c.terms:
-        return False
-    if len(set(c.terms)) != len(c.terms) or any(check_term_name(t) for t in c.terms):
+    if not 0 <= c.rank < c.world_size or not _terms_ok(c.terms):
         return False
     return all(check_partial(v) is None for v in c.values)
 
@@ -129,12 +135,17 @@ def node_requests(
 class _Step:
     """One round as seen by the node: local arrivals and every rank's answer."""
 
-    __slots__ = ("answers", "arrived", "done")
+    __slots__ = ("answers", "arrived", "done", "timer")
 
     def __init__(self) -> None:
         self.arrived: dict[int, RankContribution] = {}
-        self.answers: dict[int, pb.ReduceResponse] = {}
+        self.answers: dict[int, _Answer] = {}
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.timer: asyncio.TimerHandle | None = None
+
+
+# A response and its normalizers decoded once (every rank of an aggregate shares it).
+_Answer = tuple[pb.ReduceResponse, dict[str, float]]
 
 
 class NodeAggregator:
@@ -166,12 +177,14 @@ class NodeAggregator:
         self._write_lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> NodeAggregator:
+    def start(self) -> NodeAggregator:
+        """Open the upstream stream (on the running loop); returns ``self``."""
         self._call = self._stub.ReduceStream()
         self._reader = asyncio.create_task(self._read_answers())
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def close(self) -> None:
+        """Close the upstream stream and stop reading answers."""
         if self._call is not None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 await self._call.done_writing()
@@ -179,6 +192,12 @@ class NodeAggregator:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+
+    async def __aenter__(self) -> NodeAggregator:
+        return self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def reduce(
         self,
@@ -190,55 +209,97 @@ class NodeAggregator:
     ) -> dict[str, float]:
         """Rank ``rank``'s contribution to ``step``; returns the global normalizers
         once the round completes, or raises the round's :mod:`lossreduce.errors` error."""
-        where = describe_round(self._job, self._group, step)
-        if rank not in self._local:
-            raise InvalidPartialError(
-                f"{where}: rank {rank} is not a local rank of this node {sorted(self._local)}",
-                job=self._job,
-                group=self._group,
-                step=step,
-                rank=rank,
-                ranks=(rank,),
-            )
         terms = tuple(partials)
         mine = RankContribution(
             rank=rank,
             world_size=world_size,
             terms=terms,
-            values=tuple(float(partials[t]) for t in terms),
-            contracts=tuple(contracts.get(t, "") for t in terms),
+            values=tuple(map(float, partials.values())),
+            contracts=tuple([contracts.get(t, "") for t in terms]),
         )
+        state = await self._arrive(step, [mine])
+        # shield: a cancelled rank must not cancel the answer its node peers wait for.
+        await asyncio.shield(state.done)
+        return self._answer(step, rank, state)
+
+    async def reduce_node(
+        self, step: int, contributions: Sequence[RankContribution]
+    ) -> list[dict[str, float] | LossReduceError]:
+        """Every local rank's contribution at once (a node agent that already holds
+        them); each rank's normalizers or error, in the order given."""
+        state = await self._arrive(step, contributions)
+        await asyncio.shield(state.done)
+        results: list[dict[str, float] | LossReduceError] = []
+        for c in contributions:
+            try:
+                results.append(self._answer(step, c.rank, state))
+            except LossReduceError as err:
+                results.append(err)
+        return results
+
+    async def _arrive(self, step: int, contributions: Sequence[RankContribution]) -> _Step:
         state = self._steps.get(step)
         if state is None:
             state = self._steps[step] = _Step()
-        previous = state.arrived.get(rank)
-        if previous is not None and previous != mine:
-            raise ConflictingContributionError(
-                f"{where}: rank {rank} already gave this node {previous.values} and now "
-                f"{mine.values}; the round keeps the first contribution",
-                job=self._job,
-                group=self._group,
-                step=step,
-                rank=rank,
-                terms=terms,
-                values=mine.values,
-                ranks=(rank,),
+            # One deadline per round, not one timer per rank.
+            state.timer = asyncio.get_running_loop().call_later(
+                self._timeout_s, self._expire, step, state
             )
-        state.arrived[rank] = mine
-        if previous is None and len(state.arrived) == len(self._local):
+        complete_before = len(state.arrived) == len(self._local)
+        for c in contributions:
+            self._check_local(step, c, state.arrived.get(c.rank))
+            state.arrived[c.rank] = c
+        if not complete_before and len(state.arrived) == len(self._local):
             await self._send(step, state)
-        try:
-            await asyncio.wait_for(asyncio.shield(state.done), self._timeout_s)
-        except TimeoutError:
-            raise CoordinatorUnavailableError(
-                f"{where}: rank {rank} got no answer within {self._timeout_s:g} s "
-                f"(local ranks arrived: {sorted(state.arrived)} of {sorted(self._local)})",
+        return state
+
+    def _check_local(
+        self, step: int, c: RankContribution, previous: RankContribution | None
+    ) -> None:
+        where = describe_round(self._job, self._group, step)
+        if c.rank not in self._local:
+            raise InvalidPartialError(
+                f"{where}: rank {c.rank} is not a local rank of this node {sorted(self._local)}",
                 job=self._job,
                 group=self._group,
                 step=step,
-                rank=rank,
-            ) from None
-        return self._result(rank, step, state.answers[rank])
+                rank=c.rank,
+                ranks=(c.rank,),
+            )
+        if previous is not None and previous != c:
+            raise ConflictingContributionError(
+                f"{where}: rank {c.rank} already gave this node {previous.values} and now "
+                f"{c.values}; the round keeps the first contribution",
+                job=self._job,
+                group=self._group,
+                step=step,
+                rank=c.rank,
+                terms=c.terms,
+                values=c.values,
+                ranks=(c.rank,),
+            )
+
+    def _answer(self, step: int, rank: int, state: _Step) -> dict[str, float]:
+        response, normalizers = state.answers[rank]
+        if response.HasField("error") and response.error.code != 0:
+            raise from_status(
+                response.error, job=self._job, group=self._group, step=step, rank=rank
+            )
+        return dict(normalizers)
+
+    def _expire(self, step: int, state: _Step) -> None:
+        if state.done.done():
+            return
+        state.done.set_exception(
+            CoordinatorUnavailableError(
+                f"{describe_round(self._job, self._group, step)}: no answer within "
+                f"{self._timeout_s:g} s (local ranks arrived: {sorted(state.arrived)} of "
+                f"{sorted(self._local)})",
+                job=self._job,
+                group=self._group,
+                step=step,
+            )
+        )
 
     async def _send(self, step: int, state: _Step) -> None:
         assert self._call is not None, "use the aggregator as an async context manager"
@@ -259,9 +320,12 @@ class NodeAggregator:
                     break
                 step, covered = self._in_flight.popleft()
                 state = self._steps[step]
+                answer = (response, {n.term: n.value for n in response.normalizers})
                 for rank in covered:
-                    state.answers[rank] = response
+                    state.answers[rank] = answer
                 if len(state.answers) == len(self._local) and not state.done.done():
+                    if state.timer is not None:
+                        state.timer.cancel()
                     state.done.set_result(None)
                     self._forget_before(step)
         except grpc.aio.AioRpcError as err:
@@ -279,10 +343,3 @@ class NodeAggregator:
         # Keep a few finished steps for local retries; drop older ones.
         for old in [s for s in self._steps if s < step - 8]:
             del self._steps[old]
-
-    def _result(self, rank: int, step: int, response: pb.ReduceResponse) -> dict[str, float]:
-        if response.HasField("error") and response.error.code != 0:
-            raise from_status(
-                response.error, job=self._job, group=self._group, step=step, rank=rank
-            )
-        return {n.term: n.value for n in response.normalizers}

@@ -34,7 +34,7 @@ from lossreduce.server.bench_report import (
     write_json,
     write_plot,
 )
-from lossreduce.server.bench_run import WorldRun, place, run_world, settle
+from lossreduce.server.bench_run import CpuReader, WorldRun, place, run_world, settle
 from lossreduce.server.bench_servers import CoordinatorProcess, process_cpu_ns, start_store
 from lossreduce.server.bench_stats import ContenderResult
 
@@ -96,6 +96,15 @@ class BenchSettings(BaseModel):
         default=4,
         ge=1,
         description="Load processes (Ray drivers) sharing the Ray contender's ranks.",
+    )
+    ranks_per_node: int = Field(
+        default=8, ge=1, description="Ranks behind each node-local aggregator (hierarchical)."
+    )
+    hierarchical_nodes: int = Field(
+        default=512,
+        ge=0,
+        description="After the other world sizes, the hierarchical contender alone at "
+        "N = nodes x --ranks-per-node simulated ranks (issue 7: 512 x 8 = 4096); 0 skips it.",
     )
     out: Path = Field(default=Path("bench-out"), description="Folder for bench.json and bench.png.")
     startup_timeout_s: float = Field(
@@ -169,54 +178,75 @@ class _Ray:
         ray.shutdown()
 
 
+def _worlds(settings: BenchSettings) -> list[tuple[int, tuple[str, ...]]]:
+    """Every (N, contenders) to measure: the world sizes, then the hierarchical scale run."""
+    worlds = [(n, settings.contenders) for n in settings.world_sizes]
+    big = settings.hierarchical_nodes * settings.ranks_per_node
+    if (
+        big
+        and "coordinator-hierarchical" in settings.contenders
+        and big not in settings.world_sizes
+    ):
+        worlds.append((big, ("coordinator-hierarchical",)))
+    return worlds
+
+
+class _Servers:
+    """Every contender's server for the whole run."""
+
+    def __init__(self, contenders: Sequence[str]) -> None:
+        self.coordinator = (
+            CoordinatorProcess() if any(c.startswith("coordinator") for c in contenders) else None
+        )
+        self.store = start_store()
+        self.ray = _Ray() if "ray-actor" in contenders else None
+
+    def endpoints(self, n: int, ranks_per_node: int) -> tuple[Endpoints, dict[str, CpuReader]]:
+        readers: dict[str, CpuReader] = {}
+        if self.coordinator is not None:
+            for name in CONTENDERS:
+                if name.startswith("coordinator"):
+                    readers[name] = self.coordinator.cpu_ns
+        actor_name = f"bench-n{n}"
+        if self.ray is not None:
+            readers["ray-actor"] = functools.partial(process_cpu_ns, self.ray.actor(actor_name))
+        endpoints = Endpoints(
+            coordinator=self.coordinator.target if self.coordinator else "",
+            store_host="127.0.0.1",
+            store_port=self.store.port,
+            ray_address=self.ray.address if self.ray else "",
+            ray_actor=actor_name,
+            job=f"bench-n{n}",
+            ranks_per_node=ranks_per_node,
+        )
+        return endpoints, readers
+
+    def stop(self) -> None:
+        if self.ray is not None:
+            self.ray.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+
+
 def run_bench(settings: BenchSettings) -> dict[str, object]:
     """Run every contender at every N; return the JSON payload (also written)."""
-    coordinator = (
-        CoordinatorProcess()
-        if any(c.startswith("coordinator") for c in settings.contenders)
-        else None
-    )
-    store = start_store()
-    ray_cluster = _Ray() if "ray-actor" in settings.contenders else None
+    servers = _Servers(settings.contenders)
     results: list[ContenderResult] = []
     skipped = []
     try:
-        for n in settings.world_sizes:
+        for n, contenders in _worlds(settings):
             placement = place(
                 n,
-                settings.contenders,
+                contenders,
                 max_processes=settings.max_processes,
                 gloo_max_processes=settings.gloo_max_processes,
                 load_processes=settings.load_processes,
                 ray_processes=settings.ray_processes,
+                ranks_per_node=settings.ranks_per_node,
             )
-            readers = {}
-            if coordinator is not None:
-                readers = {
-                    "coordinator-stream": coordinator.cpu_ns,
-                    "coordinator-unary": coordinator.cpu_ns,
-                }
-            actor_name = f"bench-n{n}"
-            if ray_cluster is not None:
-                pid = ray_cluster.actor(actor_name)
-                readers["ray-actor"] = functools.partial(process_cpu_ns, pid)
-            endpoints = Endpoints(
-                coordinator=coordinator.target if coordinator else "",
-                store_host="127.0.0.1",
-                store_port=store.port,
-                ray_address=ray_cluster.address if ray_cluster else "",
-                ray_actor=actor_name,
-                job=f"bench-n{n}",
-            )
-            print(
-                f"N={n}: {placement.processes} load processes"
-                + (
-                    " (ranks simulated as asyncio tasks)"
-                    if placement.simulated
-                    else " (one per rank)"
-                ),
-                flush=True,
-            )
+            endpoints, readers = servers.endpoints(n, settings.ranks_per_node)
+            how = "ranks simulated as asyncio tasks" if placement.simulated else "one per rank"
+            print(f"N={n}: {placement.processes} load processes ({how})", flush=True)
             world = run_world(
                 WorldRun(
                     world_size=n,
@@ -230,19 +260,19 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             )
             for r in world:
                 print(
-                    f"  {r.contender:<20} p50 {r.p50_ms:8.3f} ms  p99 {r.p99_ms:8.3f} ms",
+                    f"  {r.contender:<24} p50 {r.p50_ms:8.3f} ms  p99 {r.p99_ms:8.3f} ms",
                     flush=True,
                 )
             results += world
             skipped += placement.skipped
             settle(0.5)
     finally:
-        if ray_cluster is not None:
-            ray_cluster.stop()
-        if coordinator is not None:
-            coordinator.stop()
-        del store
-    checks = targets(results)
+        servers.stop()
+    big = settings.hierarchical_nodes * settings.ranks_per_node
+    hierarchical = [
+        r for r in results if r.contender == "coordinator-hierarchical" and r.world_size == big
+    ]
+    checks = targets(results, hierarchical_p50_ms=hierarchical[0].p50_ms if hierarchical else None)
     payload: dict[str, object] = {
         "machine": _machine(),
         "settings": settings.model_dump(mode="json"),
@@ -260,6 +290,11 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             f"simulated as asyncio tasks over {settings.load_processes} processes; gloo always "
             f"runs one process per rank (up to N={settings.gloo_max_processes}); the Ray "
             f"contender's ranks share at most {settings.ray_processes} Ray driver processes",
+            f"coordinator-hierarchical: nodes of {settings.ranks_per_node} ranks, each node's ranks "
+            "asyncio tasks next to their node aggregator, nodes spread over "
+            f"{settings.load_processes} load processes; one upstream stream per node; its server "
+            "CPU is per rank (the coordinator itself receives one contribution per node)",
+            "the coordinator runs as shipped: `lossreduce serve` with its journal and metrics on",
         ],
     }
     settings.out.mkdir(parents=True, exist_ok=True)
@@ -294,6 +329,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gloo-max-processes", type=int, help=fields["gloo_max_processes"].description)
     p.add_argument("--load-processes", type=int, help=fields["load_processes"].description)
     p.add_argument("--ray-processes", type=int, help=fields["ray_processes"].description)
+    p.add_argument("--ranks-per-node", type=int, help=fields["ranks_per_node"].description)
+    p.add_argument(
+        "--hierarchical-nodes", type=int, help=fields["hierarchical_nodes"].description
+    )
     p.add_argument("--out", type=Path, help=fields["out"].description)
     p.add_argument(
         "--quick",

@@ -23,6 +23,7 @@ from typing import Protocol
 import grpc
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from lossreduce.server.aggregator import NodeAggregator, RankContribution
 from lossreduce.server.bench_workload import CONTRACT, TERMS, partials_for
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
@@ -33,6 +34,7 @@ __all__ = [
     "CoordinatorUnaryRanks",
     "Endpoints",
     "GlooRank",
+    "HierarchicalRanks",
     "RankSide",
     "RoundFailedError",
     "TCPStoreRanks",
@@ -64,6 +66,8 @@ class Endpoints:
     """Name of the Ray-actor coordinator for this world size."""
     job: str
     """Job name of this world size's rounds on the coordinator."""
+    ranks_per_node: int = 8
+    """Hierarchical contender: ranks per node, i.e. per node-local aggregator."""
 
 
 class RankSide(Protocol):
@@ -171,6 +175,71 @@ class CoordinatorUnaryRanks(_CoordinatorRanks):
                 *(self._one(stub, req) for stub, req in zip(self._stubs, requests, strict=True))
             )
         )
+
+
+class HierarchicalRanks:
+    """Contender 6: the coordinator behind node-local aggregators. Consecutive
+    blocks of ``ranks_per_node`` ranks form a node; each node's aggregator
+    pre-sums its ranks' partials (exactly) and sends one contribution over its
+    own stream. The node's ranks are asyncio tasks next to their aggregator, so
+    the rank-to-aggregator hop costs less here than over a node's local IPC. Each
+    node hands its ranks' contributions to its aggregator in one call: on a real
+    cluster that node-local work runs on the node's own CPUs, in parallel, so the
+    bench keeps it off the 2 cores it shares with the coordinator."""
+
+    exact = True
+
+    def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
+
+        per_node = endpoints.ranks_per_node
+        if len(ranks) % per_node or ranks[0] % per_node:
+            raise ValueError(f"ranks {ranks[0]}..{ranks[-1]} are not whole nodes of {per_node}")
+        self._ranks = tuple(ranks)
+        self._world_size = world_size
+        self._channels = [
+            grpc.aio.insecure_channel(endpoints.coordinator)
+            for _ in range(len(self._ranks) // per_node)
+        ]
+        self._nodes = [
+            NodeAggregator(
+                channel,
+                job=endpoints.job,
+                group="hierarchical",
+                local_ranks=self._ranks[i * per_node : (i + 1) * per_node],
+                timeout_s=CALL_TIMEOUT_S,
+            ).start()
+            for i, channel in enumerate(self._channels)
+        ]
+        self._node_ranks = [
+            self._ranks[i * per_node : (i + 1) * per_node] for i in range(len(self._nodes))
+        ]
+        self._contracts = (CONTRACT,) * len(TERMS)
+
+    async def run_round(self, step: int) -> list[Sequence[float]]:
+        per_node = [
+            node.reduce_node(
+                step,
+                [
+                    RankContribution(
+                        rank, self._world_size, TERMS, partials_for(rank, step), self._contracts
+                    )
+                    for rank in node_ranks
+                ],
+            )
+            for node, node_ranks in zip(self._nodes, self._node_ranks, strict=True)
+        ]
+        received: list[Sequence[float]] = []
+        for results in await asyncio.gather(*per_node):
+            for result in results:
+                if isinstance(result, Exception):
+                    raise RoundFailedError(f"coordinator hierarchical: {result}")
+                received.append([result[t] for t in TERMS])
+        return received
+
+    async def close(self) -> None:
+        for node in self._nodes:
+            await node.close()
+        await asyncio.gather(*(channel.close() for channel in self._channels))
 
 
 def _store_client(endpoints: Endpoints, prefix: str) -> PrefixStore:

