@@ -82,7 +82,8 @@ class CoordinatorProcess:
         self.target = f"127.0.0.1:{self.port}"
         command = [
             sys.executable,
-            *(["/tmp/serve_uv.py"] if os.environ.get("XW") else ["-m", "lossreduce.cli"]),
+            "-m",
+            "lossreduce.cli",
             "serve",
             "--host",
             "127.0.0.1",
