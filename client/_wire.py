@@ -29,6 +29,7 @@ from lossreduce.errors import (
     LossReduceError,
     describe_round,
     from_status,
+    round_error,
 )
 from lossreduce.v2 import coordinator_pb2 as pb
 
@@ -84,12 +85,14 @@ class RoundContext:
         values: Sequence[float] = (),
     ) -> _E:
         """A ``cls`` whose message is ``"<describe()>: <problem>"``, carrying this context."""
-        return cls(
-            f"{self.describe()}: {problem}",
+        return round_error(
+            cls,
+            problem,
             job=self.job,
             group=self.group,
             step=self.step,
             rank=self.rank,
+            name_rank=True,
             terms=terms,
             values=values,
         )

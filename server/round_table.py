@@ -33,8 +33,8 @@ from lossreduce.errors import (
     RoundAbortedError,
     RoundTimeoutError,
     StaleRoundError,
-    describe_round,
     format_terms,
+    round_error,
 )
 from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
 
@@ -273,8 +273,9 @@ def _round_error(
     limit: str = "",
 ) -> _E:
     """An error about round ``key``: its message starts by naming job, group and step."""
-    return cls(
-        f"{describe_round(key.job, key.group, key.step)}: {detail}",
+    return round_error(
+        cls,
+        detail,
         job=key.job,
         group=key.group,
         step=key.step,

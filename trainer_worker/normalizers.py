@@ -35,8 +35,8 @@ from lossreduce.errors import (
     InvalidPartialError,
     LossReduceError,
     RoundAbortedError,
-    describe_round,
     format_terms,
+    round_error,
 )
 from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
 
@@ -88,13 +88,14 @@ class _Round:
         values: Sequence[float] = (),
         ranks: Sequence[int] = (),
     ) -> _E:
-        where = f"{describe_round(self.job, self.group, self.step)} rank {self.rank}"
-        return cls(
-            f"{where}: {detail}",
+        return round_error(
+            cls,
+            detail,
             job=self.job,
             group=self.group,
             step=self.step,
             rank=self.rank,
+            name_rank=True,
             terms=terms,
             values=values,
             ranks=ranks,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -52,6 +52,7 @@ __all__ = [
     "describe_round",
     "format_terms",
     "from_status",
+    "round_error",
     "to_status",
 ]
 
@@ -330,6 +331,45 @@ def from_status(
         values=[_parse_value(v) for v in _split(meta.get("values", ""))],
         ranks=[int(r) for r in _split(meta.get("ranks", ""))],
         limit=meta.get("limit", ""),
+    )
+
+
+_E = TypeVar("_E", bound=LossReduceError)
+
+
+def round_error(
+    cls: type[_E],
+    detail: str,
+    *,
+    job: str,
+    group: str,
+    step: int | None,
+    rank: int | None = None,
+    name_rank: bool = False,
+    terms: Sequence[str] = (),
+    values: Sequence[float] = (),
+    ranks: Sequence[int] = (),
+    limit: str = "",
+) -> _E:
+    """A ``cls`` about one round whose message starts by naming it.
+
+    ``"job 'j' group 'g' step 7: <detail>"``, or with ``name_rank``
+    ``"job 'j' group 'g' step 7 rank 1: <detail>"`` for errors that belong to
+    one rank (a round's shared error must not name the rank receiving it).
+    """
+    where = describe_round(job, group, step)
+    if name_rank and rank is not None:
+        where = f"{where} rank {rank}"
+    return cls(
+        f"{where}: {detail}",
+        job=job,
+        group=group,
+        step=step,
+        rank=rank,
+        terms=terms,
+        values=values,
+        ranks=ranks,
+        limit=limit,
     )
 
 
