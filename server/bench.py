@@ -23,9 +23,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lossreduce.server.bench_contenders import Endpoints
+from lossreduce.server.bench_e2e import run_e2e
 from lossreduce.server.bench_hosts import CONTENDERS
 from lossreduce.server.bench_report import (
     format_table,
@@ -106,6 +107,19 @@ class BenchSettings(BaseModel):
         description="After the other world sizes, the hierarchical contender alone at "
         "N = nodes x --ranks-per-node simulated ranks (issue 7: 512 x 8 = 4096); 0 skips it.",
     )
+    e2e: bool = Field(
+        default=False,
+        description="Also compare a `lossreduce train` step with --normalizer coordinator "
+        "against --normalizer torch (runs training in ABBA order).",
+    )
+    e2e_steps: int = Field(default=30, ge=2, description="Steps per end-to-end training run.")
+    e2e_pairs: int = Field(
+        default=2, ge=1, description="End-to-end runs per normalizer (ABBA order)."
+    )
+    e2e_workers: int = Field(default=2, ge=1, description="Ranks of each end-to-end run.")
+    e2e_skip_steps: int = Field(
+        default=3, ge=0, description="First steps of each end-to-end run left out (warm-up)."
+    )
     out: Path = Field(default=Path("bench-out"), description="Folder for bench.json and bench.png.")
     startup_timeout_s: float = Field(
         default=300.0, gt=0, description="Bound on starting the load processes of one N."
@@ -117,6 +131,14 @@ class BenchSettings(BaseModel):
         if not value or any(n < 2 for n in value):
             raise ValueError(f"world sizes {list(value)} must be non-empty and each >= 2")
         return tuple(sorted(set(value)))
+
+    @model_validator(mode="after")
+    def _e2e_steps(self) -> BenchSettings:
+        if self.e2e_steps <= self.e2e_skip_steps:
+            raise ValueError(
+                f"e2e_steps {self.e2e_steps} must exceed e2e_skip_steps {self.e2e_skip_steps}"
+            )
+        return self
 
     @field_validator("contenders")
     @classmethod
@@ -268,11 +290,27 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             settle(0.5)
     finally:
         servers.stop()
+    e2e = None
+    if settings.e2e:
+        # After the servers stopped: training starts its own Ray cluster and coordinator.
+        print("end to end: lossreduce train, --normalizer torch vs coordinator", flush=True)
+        e2e = run_e2e(
+            settings.out,
+            steps=settings.e2e_steps,
+            pairs=settings.e2e_pairs,
+            workers=settings.e2e_workers,
+            skip=settings.e2e_skip_steps,
+            timeout_s=settings.startup_timeout_s + 60.0 * settings.e2e_steps,
+        )
     big = settings.hierarchical_nodes * settings.ranks_per_node
     hierarchical = [
         r for r in results if r.contender == "coordinator-hierarchical" and r.world_size == big
     ]
-    checks = targets(results, hierarchical_p50_ms=hierarchical[0].p50_ms if hierarchical else None)
+    checks = targets(
+        results,
+        hierarchical_p50_ms=hierarchical[0].p50_ms if hierarchical else None,
+        e2e_ratio=e2e.ratio if e2e is not None else None,
+    )
     payload: dict[str, object] = {
         "machine": _machine(),
         "settings": settings.model_dump(mode="json"),
@@ -280,6 +318,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "skipped": skipped,
         "ratios": ratios(results),
         "targets": checks,
+        "e2e": e2e,
         "notes": [
             "latency: from the first rank issuing its contribution to the last rank holding "
             "the sums (perf_counter_ns across processes); rounds/s = 1 / mean latency",
@@ -330,9 +369,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--load-processes", type=int, help=fields["load_processes"].description)
     p.add_argument("--ray-processes", type=int, help=fields["ray_processes"].description)
     p.add_argument("--ranks-per-node", type=int, help=fields["ranks_per_node"].description)
-    p.add_argument(
-        "--hierarchical-nodes", type=int, help=fields["hierarchical_nodes"].description
-    )
+    p.add_argument("--hierarchical-nodes", type=int, help=fields["hierarchical_nodes"].description)
+    p.add_argument("--e2e", action="store_true", default=None, help=fields["e2e"].description)
+    p.add_argument("--e2e-steps", type=int, help=fields["e2e_steps"].description)
+    p.add_argument("--e2e-pairs", type=int, help=fields["e2e_pairs"].description)
+    p.add_argument("--e2e-workers", type=int, help=fields["e2e_workers"].description)
     p.add_argument("--out", type=Path, help=fields["out"].description)
     p.add_argument(
         "--quick",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 from lossreduce.server.bench_stats import ContenderResult, ratio
@@ -192,7 +192,7 @@ def write_json(path: Path, payload: Mapping[str, object]) -> None:
 
 
 def _jsonable(value: object) -> object:
-    if isinstance(value, ContenderResult | Skipped | Target):
+    if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
     if isinstance(value, Path):
         return str(value)

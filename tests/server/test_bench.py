@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossreduce.server.bench import BenchSettings, main
+from lossreduce.server.bench_e2e import abba, step_seconds
 from lossreduce.server.bench_hosts import CONTENDERS, split_ranks
 from lossreduce.server.bench_report import format_table, ratios, targets
 from lossreduce.server.bench_run import place
@@ -247,3 +248,21 @@ def test_quick_bench_smoke(tmp_path: Path):
     assert all(r["server_cpu_us_per_contribution"] > 0 for r in stream)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "coordinator-stream" in proc.stdout
+
+
+def test_e2e_runs_alternate_abba_and_skip_warmup_steps(tmp_path: Path):
+    assert abba(2) == ["torch", "coordinator", "coordinator", "torch"]
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": i, "step_seconds": 0.1 * (i + 1), "round_latency_s": 0.01, "skipped": i == 3}
+        for i in range(5)
+    ]
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    seconds, latencies = step_seconds(metrics, skip=1)
+    assert seconds == [0.2, 0.30000000000000004, 0.5]  # step 0 warm-up, step 3 skipped
+    assert latencies == [0.01] * 3
+
+
+def test_e2e_settings_need_steps_beyond_the_warmup():
+    with pytest.raises(ValueError, match="must exceed e2e_skip_steps"):
+        BenchSettings(e2e_steps=3, e2e_skip_steps=3)

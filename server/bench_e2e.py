@@ -1,0 +1,105 @@
+"""End to end: a ``lossreduce train`` step with the coordinator vs torch.distributed.
+
+Runs ``lossreduce train`` alternately with ``--normalizer torch`` and
+``--normalizer coordinator`` (ABBA order, so a drift in the machine's speed
+hits both alike), reads each run's ``metrics.jsonl`` and compares the median
+step wall time. Every run's first steps (start-up: model build, Ray workers
+warming up) are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["E2EError", "E2EResult", "abba", "run_e2e", "step_seconds"]
+
+NORMALIZERS = ("torch", "coordinator")
+
+
+class E2EError(RuntimeError):
+    """A ``lossreduce train`` run of the end-to-end comparison failed."""
+
+
+@dataclass(frozen=True)
+class E2EResult:
+    """Median step time per normalizer over every measured step of every run."""
+
+    median_step_s: dict[str, float]
+    median_round_latency_s: dict[str, float]
+    steps_measured: dict[str, int]
+    runs: int
+    ratio: float
+    """Median coordinator step / median torch step (the target: <= 1.02)."""
+
+
+def abba(pairs: int) -> list[str]:
+    """Run order: torch, coordinator, coordinator, torch, ... (``pairs`` of each)."""
+    order: list[str] = []
+    for index in range(pairs):
+        order += list(NORMALIZERS if index % 2 == 0 else reversed(NORMALIZERS))
+    return order
+
+
+def step_seconds(metrics: Path, skip: int) -> tuple[list[float], list[float]]:
+    """Step wall times and round latencies of one run, its first ``skip`` steps left out."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if not row.get("skipped")][skip:]
+    return [float(r["step_seconds"]) for r in kept], [float(r["round_latency_s"]) for r in kept]
+
+
+def run_e2e(
+    out: Path, *, steps: int, pairs: int, workers: int, skip: int, timeout_s: float
+) -> E2EResult:
+    """Run the comparison; every run's output lands under ``out``."""
+    times: dict[str, list[float]] = {n: [] for n in NORMALIZERS}
+    rounds: dict[str, list[float]] = {n: [] for n in NORMALIZERS}
+    order = abba(pairs)
+    for index, normalizer in enumerate(order):
+        run_dir = out / f"e2e-{index}-{normalizer}"
+        command = [
+            sys.executable,
+            "-m",
+            "lossreduce.cli",
+            "train",
+            "--normalizer",
+            normalizer,
+            "--steps",
+            str(steps),
+            "--workers",
+            str(workers),
+            "--job",
+            f"bench-e2e-{index}",
+            "--no-progress",
+            "--no-verify",
+            "--out",
+            str(run_dir),
+        ]
+        proc = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        if proc.returncode != 0:
+            raise E2EError(
+                f"lossreduce train --normalizer {normalizer} (run {index}) exited with "
+                f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+            )
+        seconds, latencies = step_seconds(run_dir / "metrics.jsonl", skip)
+        times[normalizer] += seconds
+        rounds[normalizer] += latencies
+        print(
+            f"  e2e run {index}: --normalizer {normalizer}: median step "
+            f"{statistics.median(seconds) * 1e3:.1f} ms over {len(seconds)} steps",
+            flush=True,
+        )
+    medians = {n: statistics.median(times[n]) for n in NORMALIZERS}
+    return E2EResult(
+        median_step_s=medians,
+        median_round_latency_s={n: statistics.median(rounds[n]) for n in NORMALIZERS},
+        steps_measured={n: len(times[n]) for n in NORMALIZERS},
+        runs=len(order),
+        ratio=medians["coordinator"] / medians["torch"],
+    )
