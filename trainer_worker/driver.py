@@ -14,9 +14,11 @@ naming the dead rank, its node, and what each other rank saw.
 
 from __future__ import annotations
 
+import re
 import secrets
+import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -69,6 +71,8 @@ __all__ = [
 FAILURE_GRACE_S = 10.0
 """After a rank fails, how long beyond the round timeout its peers get to report."""
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
 STARTUP_TIMEOUT_S = 120.0
 """Bound on placing the workers, starting them and the coordinator."""
 
@@ -111,18 +115,31 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:400]}"
 
 
+def _death_reason(err: BaseException) -> str:
+    """Why an actor died, in one line (its constructor's exception when it had one)."""
+    lines = [line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    if "creation task" in lines[0]:
+        return f"its constructor raised {lines[-1][:400]}"
+    return lines[0][:400]
+
+
 def describe_failure(
     what: str,
     step: int | None,
     slots: Sequence[BundleSlot],
     *,
-    dead: Sequence[int],
-    errors: dict[int, str],
+    dead: Mapping[int, str],
+    errors: Mapping[int, str],
     hung: Sequence[int],
 ) -> str:
     """One message naming every dead, failed and hung rank with its node."""
     where = f"step {step} ({what})" if step is not None else what
-    parts = [f"rank {r} on {describe_slot(slots[r])} died" for r in dead]
+    parts = [
+        f"rank {r} on {describe_slot(slots[r])} died ({reason})"
+        for r, reason in sorted(dead.items())
+    ]
     parts += [
         f"rank {r} on {describe_slot(slots[r])} failed: {msg}" for r, msg in sorted(errors.items())
     ]
@@ -155,7 +172,7 @@ class _Workers:
         ranks = list(range(len(futures))) if ranks is None else list(ranks)
         pending = dict(zip(futures, ranks, strict=True))
         results: dict[int, Any] = {}
-        dead: list[int] = []
+        dead: dict[int, str] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + self.settings.step_timeout_s
         while pending:
@@ -167,8 +184,8 @@ class _Workers:
                 rank = pending.pop(ref)
                 try:
                     results[rank] = ray.get(ref)
-                except RayActorError:
-                    dead.append(rank)
+                except RayActorError as err:
+                    dead[rank] = _death_reason(err)
                 except Exception as err:  # a rank's own error, reported with its rank
                     errors[rank] = _short(err)
                 if dead or errors:
@@ -181,7 +198,7 @@ class _Workers:
                     what,
                     step,
                     self.slots,
-                    dead=sorted(dead),
+                    dead=dead,
                     errors=errors,
                     hung=sorted(pending.values()),
                 )
@@ -198,19 +215,51 @@ class _Workers:
 
 
 @contextmanager
-def _ray_session(settings: TrainSettings) -> Iterator[None]:
-    """Join or start Ray; shut down only what this run started."""
+def _ray_session(settings: TrainSettings) -> Iterator[bool]:
+    """Join or start Ray; shut down only what this run started.
+
+    Yields whether this run started a local cluster (whose size is then final).
+    """
     if ray.is_initialized():
-        yield
+        yield False
         return
-    if settings.address is None:
-        ray.init(num_cpus=settings.num_cpus, include_dashboard=False, logging_level="WARNING")
-    else:
-        ray.init(address=settings.address, logging_level="WARNING")
     try:
-        yield
+        if settings.address is None:
+            ray.init(num_cpus=settings.num_cpus, include_dashboard=False, logging_level="WARNING")
+        else:
+            _check_reachable(settings.address)
+            ray.init(address=settings.address, logging_level="WARNING")
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        where = f"--address {settings.address}" if settings.address else "a local Ray cluster"
+        raise TrainingFailedError(f"cannot start or join {where}: {_short(err)}") from err
+    try:
+        yield settings.address is None
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ``HOST:PORT`` Ray address must accept a TCP connection (Ray itself retries
+    for minutes); ``auto`` and ``ray://`` addresses are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConnectionError(f"nothing answers at {address} ({err})") from err
+
+
+def _check_capacity(settings: TrainSettings) -> None:
+    """Fail at once when a local cluster can never hold the workers' bundles."""
+    resources = ray.cluster_resources()
+    kind = "GPU" if resources.get("GPU", 0.0) >= 1.0 else "CPU"
+    have = int(resources.get(kind, 0.0))
+    if have < settings.workers:
+        raise TrainingFailedError(
+            f"--workers {settings.workers} needs {settings.workers} {kind} bundles, but the "
+            f"local Ray cluster has {have} {kind}s (raise --num-cpus or lower --workers)"
+        )
 
 
 def _start_workers(
@@ -396,7 +445,7 @@ def run(
     now = datetime.now(UTC)
     job = settings.job or f"train-{now.strftime('%Y%m%d-%H%M%S')}"
     out_dir = settings.out or default_out_dir(now)
-    with _ray_session(settings):
+    with _ray_session(settings) as started_local:
         coordinator: CoordinatorHandle | None = None
         placement: WorkerPlacement | None = None
         workers: _Workers | None = None
@@ -410,9 +459,14 @@ def run(
                 token = SecretStr(secrets.token_urlsafe(32))
                 coordinator = start_coordinator_actor(job, settings.round_timeout_s, token)
                 target = coordinator.target
-            placement = create_worker_placement(
-                settings.workers, settings.placement, STARTUP_TIMEOUT_S
-            )
+            if started_local:
+                _check_capacity(settings)
+            try:
+                placement = create_worker_placement(
+                    settings.workers, settings.placement, STARTUP_TIMEOUT_S
+                )
+            except TimeoutError as err:
+                raise TrainingFailedError(f"--placement {settings.placement}: {err}") from err
             workers = _start_workers(settings, job, placement, target, token)
             if coordinator is not None:
                 coordinator.wait_ready(STARTUP_TIMEOUT_S)

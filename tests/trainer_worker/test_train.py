@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -262,3 +264,31 @@ def test_ray_restarts_a_dead_coordinator_actor_and_training_continues(tmp_path: 
     result = run(settings, observers=[KillCoordinator("restart", step=1)])
     # Same address after the restart: the workers' retries reached it and every step trained.
     assert [(r.step, r.skipped) for r in result.records] == [(0, False), (1, False), (2, False)]
+
+
+@pytest.mark.timeout(300)
+def test_joins_an_existing_cluster_and_leaves_it_running(tmp_path: Path) -> None:
+    # This module's session is the "existing cluster"; the CLI runs as another driver.
+    address = ray.get_runtime_context().gcs_address
+    argv = [
+        sys.executable,
+        "-m",
+        "lossreduce.cli",
+        "train",
+        f"--address={address}",
+        "--steps=2",
+        "--prompts-per-step=8",
+        "--samples-per-prompt=4",
+        "--d-model=16",
+        "--heads=2",
+        "--layers=1",
+        "--job=joined",
+        "--no-progress",
+        f"--out={tmp_path}",
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    # The run shut down only its own driver: the cluster it joined still serves.
+    assert ray.cluster_resources().get("CPU") == 2.0
+    assert ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60) == 42

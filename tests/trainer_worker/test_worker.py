@@ -73,10 +73,16 @@ def test_failure_message_names_dead_failed_and_hung_ranks_with_nodes() -> None:
         BundleSlot(2, "cccccccccccccccc", "10.0.0.3"),
     ]
     message = describe_failure(
-        "training", 7, slots, dead=[1], errors={0: "RoundTimeoutError: ranks [1] missing"}, hung=[2]
+        "training",
+        7,
+        slots,
+        dead={1: "The actor died unexpectedly"},
+        errors={0: "RoundTimeoutError: ranks [1] missing"},
+        hung=[2],
     )
     assert message == (
-        "step 7 (training) failed: rank 1 on node 10.0.0.2 (id bbbbbbbbbbbb) died; "
+        "step 7 (training) failed: rank 1 on node 10.0.0.2 (id bbbbbbbbbbbb) died "
+        "(The actor died unexpectedly); "
         "rank 0 on node 10.0.0.1 (id aaaaaaaaaaaa) failed: RoundTimeoutError: ranks [1] missing; "
         "ranks [2] did not answer in time"
     )
