@@ -267,7 +267,12 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
                 ranks_per_node=settings.ranks_per_node,
             )
             endpoints, readers = servers.endpoints(n, settings.ranks_per_node)
-            how = "ranks simulated as asyncio tasks" if placement.simulated else "one per rank"
+            how = (
+                f"ranks simulated as asyncio tasks over at most {settings.load_processes} "
+                "processes per contender"
+                if placement.simulated
+                else "one process per rank"
+            )
             print(f"N={n}: {placement.processes} load processes ({how})", flush=True)
             world = run_world(
                 WorldRun(
