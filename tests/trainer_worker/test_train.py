@@ -12,23 +12,21 @@ import json
 import math
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.trainer_worker.cli import main
-from lossreduce.trainer_worker.driver import (
-    RunResult,
-    TrainingFailedError,
-    run,
-    worker_name,
-)
+from lossreduce.trainer_worker.driver import RunResult, run
 from lossreduce.trainer_worker.outputs import StepRecord
 from lossreduce.trainer_worker.train_settings import TrainSettings
+from lossreduce.trainer_worker.worker_group import TrainingFailedError, worker_name
 from tests.trainer_worker.ray_harness import local_ray
 
 pytestmark = pytest.mark.ray
@@ -155,8 +153,19 @@ class KillRank:
         self.job, self.rank, self.step = job, rank, step
 
     def on_rollout(self, step: int) -> None:
-        if step == self.step:
-            ray.kill(ray.get_actor(worker_name(self.job, self.rank)), no_restart=True)
+        if step != self.step:
+            return
+        actor = ray.get_actor(worker_name(self.job, self.rank))
+        ray.kill(actor, no_restart=True)
+        # ray.kill only requests the kill: wait until calls fail, so the step's
+        # training certainly meets a dead rank (not one that dies half-way).
+        for _ in range(600):
+            try:
+                ray.get(actor.where.remote(), timeout=60)
+            except RayActorError:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"rank {self.rank} still answers after ray.kill")
 
     def on_step(self, record: StepRecord) -> None:
         pass

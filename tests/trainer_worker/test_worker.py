@@ -10,12 +10,12 @@ import torch
 from torch import Tensor
 
 from lossreduce.errors import EmptyNormalizerError
-from lossreduce.trainer_worker.driver import describe_failure
 from lossreduce.trainer_worker.normalizers import LocalNormalizer
 from lossreduce.trainer_worker.placement import BundleSlot
 from lossreduce.trainer_worker.train_settings import TrainSettings
 from lossreduce.trainer_worker.verify import VERIFY_RTOL, compare_gradients
 from lossreduce.trainer_worker.worker import TimedNormalizer, build_policy
+from lossreduce.trainer_worker.worker_group import describe_failure
 
 
 def test_every_rank_builds_the_same_initial_policy() -> None:
