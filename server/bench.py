@@ -20,6 +20,7 @@ import os
 import platform
 import resource
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -274,6 +275,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
                 else "one process per rank"
             )
             print(f"N={n}: {placement.processes} load processes ({how})", flush=True)
+            began = time.monotonic()
             world = run_world(
                 WorldRun(
                     world_size=n,
@@ -290,6 +292,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
                     f"  {r.contender:<24} p50 {r.p50_ms:8.3f} ms  p99 {r.p99_ms:8.3f} ms",
                     flush=True,
                 )
+            print(f"  ({time.monotonic() - began:.1f} s with start-up)", flush=True)
             results += world
             skipped += placement.skipped
             settle(0.5)
