@@ -11,10 +11,15 @@
   checks bearer tokens and job scopes; ``security`` holds TLS and the binding
   rule; ``limits`` and ``wire_guard`` refuse over-long names and undecodable
   bytes; ``hardening`` assembles them from the settings.
+- Scale (``server/README_PERFORMANCE.md``): ``aggregator`` is the node-local
+  aggregator of hierarchical aggregation (one exact contribution per node,
+  ``expansion`` its float expansions); ``bench*`` is ``lossreduce bench``.
 """
 
+from .aggregator import NodeAggregator, RankContribution, node_requests
 from .app import SERVICE_NAME, Coordinator, CoordinatorThread, serve, start
 from .auth import BearerTokenInterceptor, TokenFileError, TokenGrant, TokenRegistry, load_tokens
+from .expansion import ExpansionOverflowError, exact_expansion
 from .journal import JournalError, JournalRecord, JournalSettings, RoundJournal
 from .journal_store import JournalOutcomeStore
 from .metrics import CoordinatorMetrics
@@ -42,14 +47,17 @@ __all__ = [
     "CoordinatorServicer",
     "CoordinatorSettings",
     "CoordinatorThread",
+    "ExpansionOverflowError",
     "InsecureBindingError",
     "JournalError",
     "JournalOutcomeStore",
     "JournalRecord",
     "JournalSettings",
+    "NodeAggregator",
     "Outcome",
     "OutcomeKind",
     "OutcomeStore",
+    "RankContribution",
     "RejectReason",
     "Round",
     "RoundJournal",
@@ -61,7 +69,9 @@ __all__ = [
     "TokenFileError",
     "TokenGrant",
     "TokenRegistry",
+    "exact_expansion",
     "load_tokens",
+    "node_requests",
     "serve",
     "start",
 ]
