@@ -6,12 +6,12 @@
   table for Prometheus; ``app`` runs it all (:func:`serve`,
   :class:`CoordinatorThread`); ``cli`` and ``status_cli`` are ``lossreduce
   serve`` and ``lossreduce status``.
-- Reliability and security (``server/README_GUARANTEES.md``): ``journal`` and
+- Reliability and security (README "Guarantees"): ``journal`` and
   ``journal_store`` persist finished rounds before they are answered; ``auth``
   checks bearer tokens and job scopes; ``security`` holds TLS and the binding
   rule; ``limits`` and ``wire_guard`` refuse over-long names and undecodable
   bytes; ``hardening`` assembles them from the settings.
-- Scale (``server/README_PERFORMANCE.md``): ``aggregator`` is the node-local
+- Scale (README "Performance"): ``aggregator`` is the node-local
   aggregator of hierarchical aggregation (one exact contribution per node,
   ``expansion`` its float expansions); ``bench*`` is ``lossreduce bench``.
 """
