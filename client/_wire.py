@@ -16,9 +16,9 @@ contract for a term that has no partial) is rejected before sending.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from google.rpc import code_pb2, status_pb2
 
@@ -27,9 +27,9 @@ from lossreduce.errors import (
     CoordinatorUnavailableError,
     InvalidPartialError,
     LossReduceError,
+    RankContext,
     describe_round,
     from_status,
-    round_error,
 )
 from lossreduce.v2 import coordinator_pb2 as pb
 
@@ -48,9 +48,6 @@ __all__ = [
 ]
 
 
-_E = TypeVar("_E", bound=LossReduceError)
-
-
 @runtime_checkable
 class SupportsItem(Protocol):
     """A scalar container such as a 0-d ``torch.Tensor`` or a numpy scalar."""
@@ -63,39 +60,10 @@ PartialValue: TypeAlias = float | int | SupportsItem
 
 
 @dataclass(frozen=True)
-class RoundContext:
+class RoundContext(RankContext):
     """Where a call happens; every error the client raises names all of it."""
 
-    job: str
-    group: str
-    step: int
-    rank: int
     world_size: int
-
-    def describe(self) -> str:
-        """``job 'j' group 'g' step 7 rank 1``."""
-        return f"{describe_round(self.job, self.group, self.step)} rank {self.rank}"
-
-    def error(
-        self,
-        cls: type[_E],
-        problem: str,
-        *,
-        terms: Sequence[str] = (),
-        values: Sequence[float] = (),
-    ) -> _E:
-        """A ``cls`` whose message is ``"<describe()>: <problem>"``, carrying this context."""
-        return round_error(
-            cls,
-            problem,
-            job=self.job,
-            group=self.group,
-            step=self.step,
-            rank=self.rank,
-            name_rank=True,
-            terms=terms,
-            values=values,
-        )
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -33,10 +32,9 @@ from lossreduce.errors import (
     ContractMismatchError,
     EmptyNormalizerError,
     InvalidPartialError,
-    LossReduceError,
+    RankContext,
     RoundAbortedError,
     format_terms,
-    round_error,
 )
 from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
 
@@ -67,43 +65,8 @@ class GlobalNormalizer(Protocol):
         ...
 
 
-_E = TypeVar("_E", bound=LossReduceError)
-
-
-@dataclass(frozen=True)
-class _Round:
-    """Where a reduction happens: every error names job, group, step and rank."""
-
-    job: str
-    group: str
-    step: int
-    rank: int
-
-    def error(
-        self,
-        cls: type[_E],
-        detail: str,
-        *,
-        terms: Sequence[str] = (),
-        values: Sequence[float] = (),
-        ranks: Sequence[int] = (),
-    ) -> _E:
-        return round_error(
-            cls,
-            detail,
-            job=self.job,
-            group=self.group,
-            step=self.step,
-            rank=self.rank,
-            name_rank=True,
-            terms=terms,
-            values=values,
-            ranks=ranks,
-        )
-
-
 def _local_values(
-    rnd: _Round, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+    rnd: RankContext, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
 ) -> tuple[list[str], list[float], list[str]]:
     """(term names sorted, their float partials, their contracts); a malformed request raises."""
     problems = [why for why in map(check_term_name, partials) if why is not None]
@@ -131,7 +94,9 @@ def _invalid(
     return [t for t, _, _ in bad], [v for _, v, _ in bad], [str(p) for _, _, p in bad]
 
 
-def _raise_for_invalid(rnd: _Round, rows: Sequence[Sequence[float]], terms: Sequence[str]) -> None:
+def _raise_for_invalid(
+    rnd: RankContext, rows: Sequence[Sequence[float]], terms: Sequence[str]
+) -> None:
     """Raise on every rank if any rank's partial is invalid: the culprit gets
     InvalidPartialError, its peers RoundAbortedError naming it."""
     for culprit, row in enumerate(rows):
@@ -156,7 +121,7 @@ def _raise_for_invalid(rnd: _Round, rows: Sequence[Sequence[float]], terms: Sequ
 
 
 def _finish(
-    rnd: _Round, terms: Sequence[str], totals: Sequence[float], device: torch.device
+    rnd: RankContext, terms: Sequence[str], totals: Sequence[float], device: torch.device
 ) -> dict[str, Tensor]:
     """Check every global normalizer is finite and > 0 and return them as tensors."""
     bad = [
@@ -194,7 +159,7 @@ class LocalNormalizer:
     def reduce(
         self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
     ) -> dict[str, Tensor]:
-        rnd = _Round(self.job, self.group, step, 0)
+        rnd = RankContext(self.job, self.group, step, 0)
         terms, values, _ = _local_values(rnd, partials, contracts)
         _raise_for_invalid(rnd, [values], terms)
         return _finish(rnd, terms, [exact_sum([v]) for v in values], _device(partials))
@@ -265,7 +230,7 @@ class TorchDistributedNormalizer:
     def reduce(
         self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
     ) -> dict[str, Tensor]:
-        rnd = _Round(self.job, self.group, step, self.rank)
+        rnd = RankContext(self.job, self.group, step, self.rank)
         device = _device(partials)
         try:
             terms, values, term_contracts = _local_values(rnd, partials, contracts)
@@ -330,7 +295,7 @@ class CoordinatorNormalizer:
     def reduce(
         self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
     ) -> dict[str, Tensor]:
-        rnd = _Round(self.job, self.group, step, self.rank)
+        rnd = RankContext(self.job, self.group, step, self.rank)
         terms, values, _ = _local_values(rnd, partials, contracts)
         answer = self.client.reduce(step, dict(zip(terms, values, strict=True)), dict(contracts))
         terms = sorted(answer)

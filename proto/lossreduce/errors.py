@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from google.protobuf import any_pb2
@@ -45,6 +46,7 @@ __all__ = [
     "InvalidPartialError",
     "LimitExceededError",
     "LossReduceError",
+    "RankContext",
     "ReductionError",
     "RoundAbortedError",
     "RoundTimeoutError",
@@ -371,6 +373,43 @@ def round_error(
         ranks=ranks,
         limit=limit,
     )
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank's place in one round; every error it builds names all of it."""
+
+    job: str
+    group: str
+    step: int
+    rank: int
+
+    def describe(self) -> str:
+        """``job 'j' group 'g' step 7 rank 1``."""
+        return f"{describe_round(self.job, self.group, self.step)} rank {self.rank}"
+
+    def error(
+        self,
+        cls: type[_E],
+        detail: str,
+        *,
+        terms: Sequence[str] = (),
+        values: Sequence[float] = (),
+        ranks: Sequence[int] = (),
+    ) -> _E:
+        """A ``cls`` whose message is ``"<describe()>: <detail>"``, carrying this context."""
+        return round_error(
+            cls,
+            detail,
+            job=self.job,
+            group=self.group,
+            step=self.step,
+            rank=self.rank,
+            name_rank=True,
+            terms=terms,
+            values=values,
+            ranks=ranks,
+        )
 
 
 def describe_round(job: str, group: str, step: int | None) -> str:
