@@ -25,13 +25,15 @@ from google.rpc import status_pb2
 from lossreduce.errors import InvalidPartialError, LossReduceError, from_status, to_status
 
 from .journal import JournalError, JournalRecord, RoundJournal
-from .outcomes import Outcome, OutcomeKind, RoundKey, TermNormalizerValue
+from .outcomes import DIGEST_SIZE, Outcome, OutcomeKind, RoundKey, RoundRecord, TermNormalizerValue
 
 __all__ = ["JournalOutcomeStore", "decode_outcome", "encode_outcome"]
 
 _log = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2
+"""2 adds the round's ``record`` (contract and per-rank digests); 1 is still read."""
+_READABLE_FORMATS = (1, 2)
 
 
 def _encode_error(err: LossReduceError | None) -> str | None:
@@ -46,6 +48,43 @@ def _decode_error(text: str | None) -> LossReduceError | None:
     return from_status(status_pb2.Status.FromString(base64.b64decode(text)))
 
 
+def _encode_record(record: RoundRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    return {
+        "rank": record.reference_rank,
+        "world_size": record.world_size,
+        "terms": list(record.terms),
+        "contracts": list(record.contracts),
+        "digests": base64.b64encode(record.digests).decode("ascii"),
+    }
+
+
+def _decode_record(doc: dict[str, Any] | None) -> RoundRecord | None:
+    if doc is None:
+        return None
+    record = RoundRecord(
+        reference_rank=int(doc["rank"]),
+        world_size=int(doc["world_size"]),
+        terms=tuple(str(t) for t in doc["terms"]),
+        contracts=tuple(str(c) for c in doc["contracts"]),
+        digests=base64.b64decode(doc["digests"], validate=True),
+    )
+    if len(record.contracts) != len(record.terms) or not record.terms:
+        raise ValueError(
+            f"record has terms {list(record.terms)} and {len(record.contracts)} contracts"
+        )
+    if not 0 <= record.reference_rank < record.world_size:
+        raise ValueError(
+            f"record has rank {record.reference_rank} of world_size {record.world_size}"
+        )
+    if len(record.digests) != record.world_size * DIGEST_SIZE:
+        raise ValueError(
+            f"record has {len(record.digests)} digest bytes for world_size {record.world_size}"
+        )
+    return record
+
+
 def encode_outcome(outcome: Outcome) -> bytes:
     """The journal payload of ``outcome`` (its key is stored in the journal's columns)."""
     doc: dict[str, Any] = {
@@ -54,6 +93,7 @@ def encode_outcome(outcome: Outcome) -> bytes:
         "normalizers": [[n.term, n.value.hex(), n.zero_ranks] for n in outcome.normalizers],
         "error": _encode_error(outcome.error),
         "culprit": _encode_error(outcome.culprit),
+        "record": _encode_record(outcome.record),
     }
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
@@ -63,7 +103,7 @@ def decode_outcome(key: RoundKey, payload: bytes) -> Outcome:
     where = f"job {key.job!r} group {key.group!r} step {key.step}"
     try:
         doc = json.loads(payload)
-        if doc.get("format") != _FORMAT:
+        if doc.get("format") not in _READABLE_FORMATS:
             raise ValueError(f"unknown payload format {doc.get('format')!r}")
         culprit = _decode_error(doc["culprit"])
         if culprit is not None and not isinstance(culprit, InvalidPartialError):
@@ -77,6 +117,7 @@ def decode_outcome(key: RoundKey, payload: bytes) -> Outcome:
             ),
             error=_decode_error(doc["error"]),
             culprit=culprit,
+            record=_decode_record(doc["record"]) if doc["format"] >= 2 else None,
         )
     except (ValueError, KeyError, TypeError, DecodeError) as exc:
         raise JournalError(f"the journaled outcome of {where} is unreadable: {exc}") from exc

@@ -10,21 +10,26 @@ journal) persists outcomes before any rank can see them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 from lossreduce.errors import InvalidPartialError, LossReduceError
 
 __all__ = [
+    "DIGEST_SIZE",
     "Outcome",
     "OutcomeKind",
     "OutcomeStore",
     "RejectReason",
     "RoundKey",
     "RoundObserver",
+    "RoundRecord",
     "TermNormalizerValue",
 ]
+
+DIGEST_SIZE = 8
+"""Bytes of one contribution's digest in a :class:`RoundRecord`."""
 
 
 class RoundKey(NamedTuple):
@@ -68,6 +73,29 @@ class TermNormalizerValue(NamedTuple):
     zero_ranks: int
 
 
+class RoundRecord(NamedTuple):
+    """What a finished round keeps of its contributions for a coordinator restarted on its
+    journal: enough to tell a rank's identical re-send from a conflicting one, and a
+    contribution that disagrees with the round's contract."""
+
+    reference_rank: int
+    """The rank whose contribution opened the round and fixed its contract."""
+    world_size: int
+    terms: tuple[str, ...]
+    """In the reference rank's order (the order of ``Outcome.normalizers``)."""
+    contracts: tuple[str, ...]
+    digests: bytes
+    """``DIGEST_SIZE`` bytes per rank, in rank order: the digest of the contribution that
+    counted for that rank, all zeros for a rank that did not arrive."""
+
+    def digest_of(self, rank: int) -> bytes | None:
+        """The digest of what ``rank`` contributed, or None when it did not arrive."""
+        if not 0 <= rank < self.world_size:
+            return None
+        digest = self.digests[rank * DIGEST_SIZE : (rank + 1) * DIGEST_SIZE]
+        return digest if any(digest) else None
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """The answer of a finished round, identical for every rank.
@@ -83,6 +111,9 @@ class Outcome:
     normalizers: tuple[TermNormalizerValue, ...] = ()
     error: LossReduceError | None = None
     culprit: InvalidPartialError | None = None
+    record: RoundRecord | None = field(default=None, compare=False)
+    """Set on outcomes handed to an :class:`OutcomeStore`: the round's contract and one
+    digest per arrived rank, so a restarted coordinator can check re-sends."""
 
     def error_for(self, rank: int) -> LossReduceError | None:
         """The error ``rank`` receives, or None when the round completed."""

@@ -16,6 +16,8 @@ schedules each round's deadline itself, and keeps its own per-round state in
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -40,12 +42,14 @@ from lossreduce.rules import check_global_normalizer, check_partial, check_term_
 
 from .limits import check_request_names
 from .outcomes import (
+    DIGEST_SIZE,
     Outcome,
     OutcomeKind,
     OutcomeStore,
     RejectReason,
     RoundKey,
     RoundObserver,
+    RoundRecord,
     TermNormalizerValue,
 )
 from .settings import CoordinatorSettings
@@ -91,6 +95,7 @@ class Round:
         "last_arrival",
         "outcome",
         "previous_arrival",
+        "record",
         "reference",
     )
 
@@ -111,6 +116,8 @@ class Round:
         self.outcome: Outcome | None = None
         self.handle: Any = None
         """Free for the adapter driving the table (the servicer's waiters and timer)."""
+        self.record: RoundRecord | None = None
+        """A round rebuilt from the outcome store: what it kept of its contributions."""
 
     @property
     def world_size(self) -> int:
@@ -424,13 +431,21 @@ class RoundTable:
                 self._notify_accepted(key, retry=True)
                 return Admission(rnd)
             return self._conflict(key, previous, c)
+        if rnd.record is not None:
+            resent = self._check_resend(rnd, rnd.record, c)
+            if resent is not None:
+                return resent
 
         # The first contribution's names were validated when it opened the round.
         invalid = _validate(c, () if created else rnd.reference.terms)
         if invalid is not None:
             return self._reject_invalid(rnd, c.rank, invalid, now, created)
         if rnd.outcome is not None:
-            # A late or restarted rank of a round that already ended gets that ending.
+            # A late or restarted rank of a round that already ended gets that ending,
+            # unless it disagrees with the round's contract: then it never counted.
+            late_mismatch = _late_mismatch(rnd, c)
+            if late_mismatch is not None:
+                return Admission(None, late_mismatch)
             return Admission(rnd)
 
         mismatch = _mismatch(key, rnd.reference, c)
@@ -658,6 +673,30 @@ class RoundTable:
         )
         return Admission(None, err)
 
+    def _check_resend(self, rnd: Round, record: RoundRecord, c: Contribution) -> Admission | None:
+        """A rank of a round rebuilt from the store re-sending: the stored outcome when its
+        contribution is the one the round counted, a conflict when it differs, None when
+        the round never counted anything from its ranks."""
+        stored = next(filter(None, map(record.digest_of, c.ranks)), None)
+        if stored is None:
+            return None
+        if stored == contribution_digest(c):
+            self._notify_accepted(rnd.key, retry=True)
+            return Admission(rnd)
+        self._notify_rejected(rnd.key, RejectReason.CONFLICTING)
+        err = _round_error(
+            ConflictingContributionError,
+            rnd.key,
+            f"rank {c.rank} already contributed other partials to this round before the "
+            f"coordinator restarted and now sent {format_terms(c.terms, c.values)} "
+            f"(world_size {c.world_size}); the round keeps the first contribution",
+            rank=c.rank,
+            terms=c.terms,
+            values=c.values,
+            ranks=(c.rank,),
+        )
+        return Admission(None, err)
+
     def _reject_invalid(
         self, rnd: Round, rank: int, invalid: _Invalid, now: float, created: bool
     ) -> Admission:
@@ -712,6 +751,7 @@ class RoundTable:
         assert rnd.outcome is None, f"round {rnd.key} finished twice"
         if self._store is not None and outcome.kind is not OutcomeKind.ABORTED_SHUTDOWN:
             # Durable before any rank can see it (a restarted coordinator answers retries from it).
+            outcome = dataclasses.replace(outcome, record=_record(rnd))
             self._store.put(outcome)
         rnd.outcome = outcome
         rnd.finished_at = now
@@ -731,10 +771,84 @@ class RoundTable:
             )
 
 
+def contribution_digest(c: Contribution) -> bytes:
+    """``DIGEST_SIZE`` bytes identifying ``c`` exactly (what a restarted round compares a
+    re-send against); never all zeros."""
+    # repr round-trips every float exactly; + 0.0 makes -0.0 equal 0.0, as == does.
+    text = repr(
+        (
+            c.rank,
+            c.world_size,
+            c.terms,
+            tuple([v + 0.0 for v in c.values]),
+            c.contracts,
+            c.covers,
+            c.expansions,
+            c.zero_ranks,
+        )
+    )
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
+    return digest if any(digest) else b"\x01" * DIGEST_SIZE
+
+
+def _record(rnd: Round) -> RoundRecord:
+    """What the store keeps of ``rnd``'s contributions (see :class:`RoundRecord`)."""
+    ref = rnd.reference
+    empty = bytes(DIGEST_SIZE)
+    digests: dict[int, bytes] = {}  # by id of the contribution: an aggregate fills several slots
+    parts = []
+    for c in rnd.contributions:
+        if c is None:
+            parts.append(empty)
+            continue
+        digest = digests.get(id(c))
+        if digest is None:
+            digest = digests[id(c)] = contribution_digest(c)
+        parts.append(digest)
+    return RoundRecord(ref.rank, ref.world_size, ref.terms, ref.contracts, b"".join(parts))
+
+
+def _late_mismatch(rnd: Round, c: Contribution) -> ContractMismatchError | None:
+    """How ``c``, arriving at the finished round ``rnd`` without a slot of its own,
+    disagrees with the round's contract, if it does."""
+    if rnd.world_size:
+        return _mismatch(rnd.key, rnd.reference, c)
+    # Restored from a journal written before rounds kept their contract: only a
+    # completed round's term names are known.
+    outcome = rnd.outcome
+    assert outcome is not None
+    known = {n.term for n in outcome.normalizers}
+    if not known or set(c.terms) == known:
+        return None
+    return _round_error(
+        ContractMismatchError,
+        rnd.key,
+        f"rank {c.rank} sent terms {sorted(c.terms)} but the round completed "
+        f"with terms {sorted(known)}",
+        terms=tuple(sorted(set(c.terms) ^ known)),
+        ranks=(c.rank,),
+    )
+
+
 def _restored(outcome: Outcome) -> Round:
-    """A finished round rebuilt from the outcome store (its contributions are not kept)."""
-    placeholder = Contribution(rank=0, world_size=0, terms=(), values=(), contracts=())
-    rnd = Round(outcome.key, placeholder, 0.0, 0.0)
+    """A finished round rebuilt from the outcome store.
+
+    Its contributions are not kept, only its contract and one digest per arrived rank
+    (``outcome.record``; None in journals written before records existed).
+    """
+    record = outcome.record
+    if record is None:
+        reference = Contribution(rank=0, world_size=0, terms=(), values=(), contracts=())
+    else:
+        reference = Contribution(
+            rank=record.reference_rank,
+            world_size=record.world_size,
+            terms=record.terms,
+            values=(),
+            contracts=record.contracts,
+        )
+    rnd = Round(outcome.key, reference, 0.0, 0.0)
     rnd.outcome = outcome
+    rnd.record = record
     rnd.finished_at = 0.0
     return rnd

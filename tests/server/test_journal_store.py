@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import json
 import logging
 import math
 import threading
@@ -13,6 +16,8 @@ import pytest
 from grpc_status import rpc_status
 
 from lossreduce.errors import (
+    ConflictingContributionError,
+    ContractMismatchError,
     InvalidPartialError,
     RoundAbortedError,
     RoundTimeoutError,
@@ -22,7 +27,13 @@ from lossreduce.errors import (
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.server.journal import JournalError, JournalRecord, JournalSettings, RoundJournal
 from lossreduce.server.journal_store import JournalOutcomeStore, decode_outcome, encode_outcome
-from lossreduce.server.outcomes import Outcome, OutcomeKind, RoundKey, TermNormalizerValue
+from lossreduce.server.outcomes import (
+    Outcome,
+    OutcomeKind,
+    RoundKey,
+    RoundRecord,
+    TermNormalizerValue,
+)
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
@@ -239,3 +250,83 @@ def test_a_journal_record_is_committed_before_the_answer(
         assert seen_at_answer == [[7]]
     finally:
         journal.close()
+
+
+def test_an_outcome_keeps_its_record_through_the_codec() -> None:
+    record = RoundRecord(
+        reference_rank=1,
+        world_size=3,
+        terms=("tokens", "groups"),
+        contracts=("mean:token_mean", "mean:prompt_mean"),
+        digests=bytes(range(1, 9)) + bytes(8) + bytes(range(9, 17)),
+    )
+    outcome = Outcome(KEY, OutcomeKind.COMPLETED, normalizers=_outcomes()[0].normalizers)
+    restored = decode_outcome(KEY, encode_outcome(dataclasses.replace(outcome, record=record)))
+    assert restored.record == record
+    assert restored.record.digest_of(0) == bytes(range(1, 9))
+    assert restored.record.digest_of(1) is None  # did not arrive
+    assert restored.record.digest_of(3) is None  # outside the world
+    assert decode_outcome(KEY, encode_outcome(outcome)).record is None
+
+
+def test_a_payload_of_the_previous_format_is_still_read() -> None:
+    doc = json.loads(encode_outcome(_outcomes()[0]))
+    del doc["record"]
+    doc["format"] = 1
+    restored = decode_outcome(KEY, json.dumps(doc).encode())
+    assert restored.normalizers == _outcomes()[0].normalizers
+    assert restored.record is None
+
+
+def test_a_record_that_does_not_fit_its_world_size_is_unreadable() -> None:
+    doc = json.loads(encode_outcome(_outcomes()[0]))
+    doc["record"] = {
+        "rank": 0,
+        "world_size": 2,
+        "terms": ["tokens"],
+        "contracts": [""],
+        "digests": base64.b64encode(bytes(8)).decode(),
+    }
+    with pytest.raises(
+        JournalError, match=r"job 'job' group 'actor' step 12 is unreadable: .*8 digest bytes"
+    ):
+        decode_outcome(KEY, json.dumps(doc).encode())
+
+
+def test_after_a_restart_a_rank_resending_other_partials_or_terms_is_refused(restartable) -> None:
+    first = restartable()
+    answers = _reduce_all(first.target, 3, range(2))
+    port = first.port
+    restartable.stop_all()
+
+    second = restartable(port=port)
+    changed = _request(1, 3)
+    changed.partials[0].value = 99.0
+    other_terms = _request(1, 3)
+    other_terms.partials[1].term = "kl"
+    late = _request(2, 3, world_size=3)
+    with grpc.insecure_channel(second.target) as channel:
+        stub = pb_grpc.ReductionCoordinatorStub(channel)
+        refused = []
+        for request in (changed, other_terms, late):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Reduce(request, timeout=10)
+            refused.append((info.value.code(), from_status(rpc_status.from_call(info.value))))
+        # One stream: the refused request does not end it; the identical retry behind it
+        # gets the answer from before the restart.
+        streamed = list(stub.ReduceStream(iter([late, _request(1, 3)]), timeout=10))
+    (c1, conflict), (c2, conflict_terms), (c3, mismatch) = refused
+    assert (c1, c2, c3) == (
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
+    assert isinstance(conflict, ConflictingContributionError)
+    assert conflict.message.startswith("job 'job' group 'actor' step 3: rank 1 already ")
+    assert "now sent 'tokens'=99.0" in conflict.message
+    assert isinstance(conflict_terms, ConflictingContributionError)
+    assert isinstance(mismatch, ContractMismatchError)
+    assert "rank 2 sent world_size 3 but rank" in mismatch.message
+    assert len(streamed) == 2
+    assert isinstance(from_status(streamed[0].error), ContractMismatchError)
+    assert streamed[1].SerializeToString() == answers[1]

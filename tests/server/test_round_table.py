@@ -34,6 +34,8 @@ from lossreduce.server import (
     RoundKey,
     RoundTable,
 )
+from lossreduce.server.aggregator import RankContribution, node_requests
+from lossreduce.v2 import coordinator_pb2 as pb
 
 KEY = RoundKey("job-a", "actor", 7)
 
@@ -500,3 +502,175 @@ def test_outcome_store_is_written_first_and_answers_after_a_restart() -> None:
     restarted = RoundTable(settings, store=store)
     replay = answer(restarted.contribute(KEY, contribution(1, 2, tok=2.0), 0.0), 1)
     assert replay is store.outcomes[KEY]
+
+
+@pytest.mark.parametrize(
+    ("late", "phrase", "terms"),
+    [
+        (
+            contribution(2, 3, tok=5.0),
+            "rank 2 sent world_size 3 but rank 0 sent world_size 2",
+            (),
+        ),
+        (
+            contribution(1, 2, kl=5.0),
+            "rank 1 sent terms ['kl'] but rank 0 sent terms ['tok']",
+            ("kl", "tok"),
+        ),
+        (
+            contribution(1, 2, {"tok": "sum:constant:divisor=8"}, tok=5.0),
+            "rank 1 sent contract 'sum:constant:divisor=8' for term 'tok' but rank 0 sent "
+            "'mean:tok'",
+            ("tok",),
+        ),
+    ],
+)
+def test_a_late_rank_that_disagrees_with_the_contract_gets_a_mismatch_not_the_outcome(
+    late: Contribution, phrase: str, terms: tuple[str, ...]
+) -> None:
+    table, _ = make_table()
+    # Rank 1 never arrives in time (or rank 2 believes in a larger world): the round
+    # ends before the disagreeing contribution arrives.
+    table.contribute(KEY, contribution(0, 2, tok=1.0), 0.0)
+    if late.rank == 2:
+        table.contribute(KEY, contribution(1, 2, tok=2.0), 0.0)
+    else:
+        rnd = table.lookup(KEY)
+        assert rnd is not None
+        table.time_out(rnd, 10.0)
+    rnd = table.lookup(KEY)
+    assert rnd is not None
+    assert rnd.outcome is not None
+    before = rnd.outcome
+    admission = table.contribute(KEY, late, 20.0)
+    err = answer(admission, late.rank)
+    assert isinstance(err, ContractMismatchError)
+    assert err.message.startswith("job 'job-a' group 'actor' step 7: ")
+    assert phrase in err.message
+    assert err.ranks == (0, late.rank)
+    assert err.terms == terms
+    assert rnd.outcome is before  # the round's answer to its own ranks is unchanged
+    # A retry of the late contribution gets the same error again.
+    again = answer(table.contribute(KEY, late, 30.0), late.rank)
+    assert isinstance(again, ContractMismatchError)
+    assert again.message == err.message
+
+
+def test_a_late_rank_outside_the_world_size_is_invalid_not_answered_the_outcome() -> None:
+    table, recorder = make_table()
+    table.contribute(KEY, contribution(0, 2, tok=1.0), 0.0)
+    done = table.contribute(KEY, contribution(1, 2, tok=2.0), 0.0)
+    err = answer(table.contribute(KEY, contribution(2, 2, tok=5.0), 1.0), 2)
+    assert isinstance(err, InvalidPartialError)
+    assert err.rank == 2
+    assert "rank 2 is outside world_size 2" in err.message
+    assert ("rejected", KEY, RejectReason.RANK_OUT_OF_RANGE) in recorder.calls
+    outcome = answer(done, 1)
+    assert isinstance(outcome, Outcome)
+    assert outcome.normalizers[0].value == 3.0
+
+
+def _restart_after(*steps: tuple[Contribution, float]) -> tuple[RoundTable, MemoryStore]:
+    """Run ``steps`` on a table with a store, then a fresh table on the same store."""
+    ref: list[RoundTable] = []
+    store = MemoryStore(ref)
+    settings = CoordinatorSettings(round_timeout_s=10.0)
+    ref.append(RoundTable(settings, store=store))
+    for c, now in steps:
+        ref[0].contribute(KEY, c, now)
+    ref[0].expire(100.0)
+    assert KEY in store.outcomes
+    return RoundTable(settings, store=store), store
+
+
+def test_after_a_restart_a_different_resend_conflicts_and_an_identical_one_is_answered() -> None:
+    restarted, store = _restart_after(
+        (contribution(0, 2, tok=1.0, kl=0.5), 0.0), (contribution(1, 2, kl=0.25, tok=2.0), 0.0)
+    )
+    same = answer(restarted.contribute(KEY, contribution(1, 2, kl=0.25, tok=2.0), 0.0), 1)
+    assert same is store.outcomes[KEY]
+    for resend in (
+        contribution(1, 2, kl=0.25, tok=99.0),
+        contribution(1, 2, tok=2.0, kl=0.25),  # another order is another contribution, as live
+        contribution(1, 2, other=1.0),
+        contribution(1, 3, kl=0.25, tok=2.0),
+    ):
+        err = answer(restarted.contribute(KEY, resend, 0.0), 1)
+        assert isinstance(err, ConflictingContributionError), resend
+        assert err.message.startswith("job 'job-a' group 'actor' step 7: rank 1 already ")
+        assert "now sent" in err.message
+        assert err.rank == 1
+    # A negative zero is the same partial as 0.0, as it is before a restart.
+    restarted, store = _restart_after(
+        (contribution(0, 2, tok=0.0), 0.0), (contribution(1, 2, tok=1.0), 0.0)
+    )
+    zero = answer(restarted.contribute(KEY, contribution(0, 2, tok=-0.0), 0.0), 0)
+    assert zero is store.outcomes[KEY]
+
+
+def test_after_a_restart_a_rank_that_never_arrived_is_checked_against_the_contract() -> None:
+    restarted, store = _restart_after((contribution(0, 3, tok=1.0), 0.0))
+    timeout = store.outcomes[KEY].error
+    assert isinstance(timeout, RoundTimeoutError)
+    late = answer(restarted.contribute(KEY, contribution(1, 3, tok=2.0), 0.0), 1)
+    assert late is timeout
+    for c, phrase in (
+        (contribution(1, 2, tok=2.0), "rank 1 sent world_size 2 but rank 0 sent world_size 3"),
+        (contribution(2, 3, kl=2.0), "rank 2 sent terms ['kl'] but rank 0 sent terms ['tok']"),
+    ):
+        err = answer(restarted.contribute(KEY, c, 0.0), c.rank)
+        assert isinstance(err, ContractMismatchError)
+        assert phrase in err.message
+        assert err.ranks == (0, c.rank)
+    outside = answer(restarted.contribute(KEY, contribution(3, 3, tok=2.0), 0.0), 3)
+    assert isinstance(outside, InvalidPartialError)
+    assert outside.rank == 3
+
+
+def test_an_outcome_stored_without_its_record_still_refuses_other_terms() -> None:
+    # A journal written before outcomes carried their record: only the terms are known.
+    restarted, store = _restart_after(
+        (contribution(0, 2, tok=1.0), 0.0), (contribution(1, 2, tok=2.0), 0.0)
+    )
+    stored = store.outcomes[KEY]
+    store.outcomes[KEY] = Outcome(KEY, stored.kind, normalizers=stored.normalizers)
+    assert store.outcomes[KEY].record is None
+    retry = answer(restarted.contribute(KEY, contribution(1, 2, tok=2.0), 0.0), 1)
+    assert retry is store.outcomes[KEY]
+    err = answer(restarted.contribute(KEY, contribution(1, 2, kl=2.0), 0.0), 1)
+    assert isinstance(err, ContractMismatchError)
+    assert "rank 1 sent terms ['kl'] but the round completed with terms ['tok']" in err.message
+    assert err.terms == ("kl", "tok")
+
+
+def test_after_a_restart_aggregated_contributions_are_checked_like_single_ranks() -> None:
+    terms, contracts = ("tok",), ("mean:tok",)
+    key = pb.RoundKey(job=KEY.job, group=KEY.group, step=KEY.step)
+
+    def node(ranks: list[int], value: float) -> Contribution:
+        (request,) = node_requests(
+            key, [RankContribution(r, 4, terms, (value,), contracts) for r in ranks]
+        )
+        parts = request.partials
+        return Contribution(
+            rank=request.rank,
+            world_size=request.world_size,
+            terms=tuple(p.term for p in parts),
+            values=tuple(p.value for p in parts),
+            contracts=tuple(p.contract for p in parts),
+            covers=tuple(request.covered_ranks),
+            expansions=tuple(tuple(p.expansion) for p in parts),
+            zero_ranks=tuple(p.zero_ranks for p in parts),
+        )
+
+    first = node([0, 1, 2], 1.0)
+    restarted, store = _restart_after((first, 0.0), (contribution(3, 4, tok=2.0), 0.0))
+    assert answer(restarted.contribute(KEY, first, 0.0), 0) is store.outcomes[KEY]
+    for conflicting, rank in (
+        (node([0, 1, 2], 7.0), 0),  # the same node, other partials
+        (node([1, 2], 1.0), 1),  # overlaps the node's ranks
+        (contribution(2, 4, tok=1.0), 2),  # one of its ranks alone
+    ):
+        err = answer(restarted.contribute(KEY, conflicting, 0.0), rank)
+        assert isinstance(err, ConflictingContributionError), conflicting
+        assert f"rank {rank} already contributed" in err.message

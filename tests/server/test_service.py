@@ -23,8 +23,12 @@ from lossreduce.errors import (
     RoundAbortedError,
     RoundTimeoutError,
     StaleRoundError,
+    from_status,
 )
 from lossreduce.server import SERVICE_NAME, CoordinatorSettings, CoordinatorThread
+from lossreduce.server.outcomes import RoundKey
+from lossreduce.server.round_table import Contribution, RoundTable
+from lossreduce.server.servicer import _answer
 from lossreduce.v2 import coordinator_pb2 as pb
 from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Received, Send
 
@@ -404,3 +408,44 @@ def test_a_port_in_use_fails_start_with_a_clear_error(coordinator: CoordinatorTh
     ):
         taken.start()
     taken.stop()  # nothing running: a no-op
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_late_rank_that_disagrees_with_the_contract_is_refused_and_the_stream_lives(
+    ranks: Ranks, mode: str
+) -> None:
+    done = ranks.round(
+        [Send(rank=r, world_size=2, partials={"tokens": 1.0 + r}) for r in range(2)], mode
+    )
+    late = Send(rank=2, world_size=3, partials={"kl": 1.0})
+    retry = Send(rank=0, world_size=2, partials={"tokens": 1.0})
+    if mode == "unary":
+        answers = [ranks.unary(late), ranks.unary(retry)]
+    else:  # the identical retry is queued behind the refused request on one stream
+        answers = ranks.stream([late, retry])
+    refused, retried = answers
+    assert refused.code == code_pb2.FAILED_PRECONDITION
+    assert isinstance(refused.error, ContractMismatchError)
+    # Either rank may have opened the round (both were sent at once).
+    first = refused.error.ranks[0]
+    assert refused.error.ranks == (first, 2)
+    assert f"rank 2 sent world_size 3 but rank {first} sent world_size 2" in refused.error.message
+    assert retried.code == code_pb2.OK
+    assert retried.normalizers == done[0].normalizers == {"tokens": (3.0, 0)}
+
+
+def test_an_answer_for_terms_the_round_never_had_is_an_error_not_a_crash() -> None:
+    # The table refuses such a contribution itself; the servicer must not raise if one
+    # ever reaches it (a raise kills the stream and every request queued behind it).
+    table = RoundTable(CoordinatorSettings())
+    key = RoundKey("job-t", "actor", 1)
+    table.contribute(key, Contribution(0, 1, ("tokens",), (1.0,), ("",)), 0.0)
+    rnd = table.lookup(key)
+    assert rnd is not None
+    assert rnd.outcome is not None
+    response, abort_with = _answer(rnd, Contribution(0, 1, ("kl",), (1.0,), ("",)))
+    assert abort_with is not None
+    err = from_status(response.error)
+    assert isinstance(err, ContractMismatchError)
+    assert "rank 0 sent terms ['kl'] but the round completed with terms ['tokens']" in err.message
+    assert err.message.startswith("job 'job-t' group 'actor' step 1: ")
