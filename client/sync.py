@@ -148,9 +148,16 @@ class ReductionClient:
         with self._lock:
             future = None if self._stopped else asyncio.run_coroutine_threadsafe(coro, self._loop)
         if future is None:
+            # close() has begun; the async client may not be marked closed yet
+            # (its _shutdown runs after the lock is released), so say it here.
             coro.close()
-            self._client.check_open(step)
-            raise AssertionError("close() marks the async client closed before stopping")
+            raise closed_error(
+                self._client.job,
+                self._client.group,
+                self._client.rank,
+                step,
+                while_waiting=False,
+            )
         try:
             return future.result()
         except concurrent.futures.CancelledError:

@@ -159,3 +159,42 @@ def test_async_close_while_waiting_abandons_every_pipelined_call(
     for step, err in zip(steps, outcomes, strict=True):
         assert isinstance(err, ClientClosedError)
         assert str(err).startswith(f"Step {step} was abandoned")
+
+
+def test_sync_use_while_close_is_shutting_down_raises_closed_error() -> None:
+    # close() marks the client stopped, then runs _shutdown on the loop, which
+    # marks the async client CLOSED; calls in between must get the closed error.
+    client = ReductionClient(UNUSED_TARGET, job="j", group="g", rank=1, world_size=2)
+    shutdown = client._shutdown
+    entered = threading.Event()
+    release = threading.Event()
+
+    async def held_shutdown() -> None:
+        entered.set()
+        await asyncio.to_thread(release.wait)
+        await shutdown()
+
+    client._shutdown = held_shutdown  # type: ignore[method-assign]
+    closer = threading.Thread(target=client.close)
+    closer.start()
+    try:
+        assert entered.wait(timeout=60), "close() never reached _shutdown"
+        in_the_gap = client.state
+        assert in_the_gap is not ClientState.CLOSED
+        with pytest.raises(ClientClosedError) as info:
+            client.reduce(3, {"pg": 1.0})
+        assert str(info.value) == (
+            "Cannot reduce step 3: the client for job 'j' rank 1 has been closed."
+        )
+        assert (info.value.job, info.value.group, info.value.step, info.value.rank) == (
+            "j",
+            "g",
+            3,
+            1,
+        )
+        with pytest.raises(ClientClosedError, match="Cannot open the client for job 'j' rank 1"):
+            client.open()
+    finally:
+        release.set()
+        closer.join()
+    assert client.state is ClientState.CLOSED
