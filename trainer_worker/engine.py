@@ -214,6 +214,10 @@ class TorchTrainEngine:
     an ``all_reduce`` of the gradients); every trainable parameter has a
     gradient by then, zeros on a rank without microbatches.
 
+    A rank without microbatches (whose peers have some) still runs one
+    backward, of a zero loss that reaches every trainable parameter, so DDP
+    and gradient hooks sync with its peers; it then steps like them.
+
     ``debug_check`` recomputes each microbatch's mean terms as local sums
     (under :func:`forced_local_sums`) and raises
     :class:`InconsistentNormalizerError` where ``mean * n_b != sum``; it
@@ -293,12 +297,10 @@ class TorchTrainEngine:
         local_n = {k: float(v) for k, v in local.partials.items()}
         if normalizers is None:
             return StepStats(step, True, 0.0, {}, {}, local_n, len(microbatches), skip_reason)
-        if isinstance(self.model, DistributedDataParallel) and not microbatches:
-            raise ValueError(
-                f"step {step}: this rank has no microbatches, but a DDP model needs one backward "
-                "per rank to sync gradients; give every rank at least one prompt group"
-            )
         self.optimizer.zero_grad(set_to_none=True)
+        if not microbatches:
+            # The round was agreed: the peers now sync gradients, so this rank must too.
+            self._zero_backward()
         shares: list[dict[str, Tensor]] = []
         for index, microbatch in enumerate(microbatches):
             last = index == len(microbatches) - 1
@@ -383,6 +385,38 @@ class TorchTrainEngine:
             if self.on_empty_step == "skip":
                 return None, str(err)
             raise
+
+    def _zero_backward(self) -> None:
+        """A zero loss whose backward gives every trainable parameter a zero gradient.
+
+        For a rank without microbatches: its peers' gradient sync (DDP's
+        reducer, hooks on the parameters) needs this rank's backward too. A
+        DDP model arms its reducer (and broadcasts buffers) in its forward, so
+        the zeros come out of one DDP forward, with the wrapped module's
+        forward standing in for the module's own; no data goes through it.
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+
+        def zeros() -> list[Tensor]:
+            # One root per parameter: parameters may differ in device and dtype.
+            return [p.sum() * 0.0 for p in params]
+
+        if not isinstance(self.model, DistributedDataParallel):
+            if params:
+                torch.autograd.backward(zeros())
+            return
+        attributes = vars(self.model.module)
+        missing = object()
+        own_forward = attributes.get("forward", missing)
+        attributes["forward"] = zeros
+        try:
+            outputs = self.model()
+        finally:
+            if own_forward is missing:
+                del attributes["forward"]
+            else:
+                attributes["forward"] = own_forward
+        torch.autograd.backward(outputs)
 
     def _no_sync_unless(self, last: bool) -> contextlib.AbstractContextManager[object]:
         # DDP syncs gradients on every backward; accumulate locally until the last one.

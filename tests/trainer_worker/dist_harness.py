@@ -179,8 +179,30 @@ def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, 
     return out
 
 
+def empty_rank_scenarios(rank: int) -> dict[str, dict[str, Any]]:
+    """Rank 0 trains on all the groups; every other rank has no microbatches."""
+    mine = all_groups() if rank == 0 else []
+    backend = TorchDistributedNormalizer(job="dist", group="empty-rank")
+    return {
+        "torch_ddp": capture(lambda: train(backend, mine, ddp=True)),
+        "torch_sum": capture(lambda: train(backend, mine)),
+    }
+
+
 def worker(rank: int, world: int, port: int, out_dir: str, target: str | None) -> None:
     """torch.multiprocessing.spawn entry point."""
+    run_rank(rank, world, port, out_dir, lambda: scenarios(rank, world, target))
+
+
+def empty_rank_worker(rank: int, world: int, port: int, out_dir: str, target: None) -> None:
+    """Entry point for :func:`empty_rank_scenarios` (no coordinator: ``target`` is None)."""
+    run_rank(rank, world, port, out_dir, lambda: empty_rank_scenarios(rank))
+
+
+def run_rank(
+    rank: int, world: int, port: int, out_dir: str, body: Callable[[], dict[str, Any]]
+) -> None:
+    """Run ``body`` in a gloo process group and save what it returns (or its crash)."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -190,7 +212,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, target: str | None) -
     )
     result: dict[str, Any]
     try:
-        result = scenarios(rank, world, target)
+        result = body()
     except Exception:
         result = {"crash": traceback.format_exc()}
         raise

@@ -248,6 +248,27 @@ def test_rank_without_microbatches_contributes_zero_gradients_to_a_sync() -> Non
     assert [bool(torch.all(g == 0)) for g in synced[0]] == [True, True]
 
 
+def test_rank_without_microbatches_runs_a_zero_backward_for_gradient_hooks() -> None:
+    # Gradient sync through hooks (as DDP's reducer does) fires only in a backward:
+    # a rank without microbatches must still run one, reaching every parameter.
+    engine = make_engine()
+    engine.normalizer = FixedNormalizer({s.name: 1.0 for s in THREE_TERMS})
+    hooked: list[torch.Tensor] = []
+    for param in engine.model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad.detach().clone()))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    stats = engine.train_batch_with_reduction(
+        build_batch(GROUPS[:0], packed=True), make_reduction(THREE_TERMS)
+    )
+    assert (stats.skipped, stats.n_microbatches, stats.loss) == (False, 0, 0.0)
+    assert stats.terms == {"distill": 0.0, "entropy": 0.0, "pg": 0.0}
+    shapes = sorted(tuple(p.shape) for p in engine.model.parameters())
+    assert sorted(tuple(h.shape) for h in hooked) == shapes  # once per parameter
+    assert all(bool(torch.all(h == 0)) for h in hooked)
+    for old, new in zip(before, engine.model.parameters(), strict=True):
+        assert torch.equal(old, new.detach())  # zero gradients: plain SGD leaves them
+
+
 def test_debug_check_catches_loss_and_normalizer_counting_different_masks() -> None:
     pg = PolicyGradientReduction("token_mean")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +153,16 @@ def coordinator():
 
 
 def run_world(
-    world: int, tmp_path: Path, target: str | None, monkeypatch: pytest.MonkeyPatch
+    world: int,
+    tmp_path: Path,
+    target: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    entry: Callable[[int, int, int, str, Any], None] = dist_harness.worker,
 ) -> list[dict[str, Any]]:
     # Spawned ranks import the harness by name: put the repository root on their path.
     monkeypatch.syspath_prepend(str(ROOT))
     spawn(
-        dist_harness.worker,
+        entry,
         args=(world, free_port(), str(tmp_path), target),
         nprocs=world,
         join=True,
@@ -223,3 +228,30 @@ def test_distributed_backends_match_the_local_normalizer(
     mismatch = [res["torch_mismatch"] for res in results]
     assert {r["error"] for r in mismatch} == {ContractMismatchError.__name__}, mismatch
     assert all("disagree" in r["message"] for r in mismatch)
+
+
+def test_a_rank_without_microbatches_takes_part_in_the_gradient_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 has no microbatches: it must still join DDP's (or grad_sync's) all-reduce,
+    # not fail after the normalizer round while rank 0 waits in it.
+    results = run_world(2, tmp_path, None, monkeypatch, entry=dist_harness.empty_rank_worker)
+    local = dist_harness.train(LocalNormalizer(), dist_harness.all_groups(), sync=False)
+    for name in ("torch_ddp", "torch_sum"):
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert "error" not in got, (name, rank, got)
+            for g, want in zip(got["grads"], local["grads"], strict=True):
+                torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
+            for p, want in zip(got["params"], local["params"], strict=True):
+                torch.testing.assert_close(p, want, rtol=1e-12, atol=1e-12)
+            assert got["stats"]["microbatches"] == (2.0 if rank == 0 else 0.0), (name, rank)
+            for spec in THREE_TERMS:
+                assert (
+                    got["stats"][f"normalizer/{spec.name}"]
+                    == local["stats"][f"normalizer/{spec.name}"]
+                )
+        rank_0, rank_1 = (res[name]["stats"] for res in results)
+        assert math.isclose(rank_0["loss"], local["stats"]["loss"], rel_tol=1e-12), name
+        assert rank_1["loss"] == 0.0, name
+        assert all(rank_1[f"loss/{spec.name}"] == 0.0 for spec in THREE_TERMS), name
