@@ -31,7 +31,7 @@ import contextlib
 import functools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -133,15 +133,35 @@ def node_requests(
 
 
 class _Step:
-    """One round as seen by the node: local arrivals and every rank's answer."""
+    """One round as seen by the node: local arrivals, what went upstream, and
+    every rank's answer (or the node's failure to get one)."""
 
-    __slots__ = ("answers", "arrived", "done", "timer")
+    __slots__ = ("answers", "arrived", "failure", "flushing", "sent", "timer", "updated")
 
     def __init__(self) -> None:
         self.arrived: dict[int, RankContribution] = {}
+        self.sent: set[int] = set()
+        """Local ranks whose contribution went upstream (each goes once)."""
         self.answers: dict[int, _Answer] = {}
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """The coordinator's answer for each rank it answered."""
+        self.failure: CoordinatorUnavailableError | None = None
+        """Set when the stream ended before every arrived rank was answered."""
+        self.flushing = False
+        """The node's deadline passed with local ranks missing: each rank goes
+        upstream as it arrives, and the coordinator decides the round."""
         self.timer: asyncio.TimerHandle | None = None
+        self.updated: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Resolved (then replaced) whenever answers come in or the step fails."""
+
+    def notify(self) -> None:
+        updated, self.updated = self.updated, asyncio.get_running_loop().create_future()
+        updated.set_result(None)
+
+    def settled(self) -> bool:
+        """Every rank that arrived has its answer or the step failed, and nothing is in flight."""
+        return self.failure is not None or (
+            bool(self.arrived) and len(self.answers) == len(self.arrived)
+        )
 
 
 # A response and its normalizers decoded once (every rank of an aggregate shares it).
@@ -151,6 +171,16 @@ _Answer = tuple[pb.ReduceResponse, dict[str, float]]
 class NodeAggregator:
     """The aggregator of one node: local ranks call :meth:`reduce`; the node
     sends the coordinator one contribution per round over one stream.
+
+    Every local rank gets exactly the coordinator's answer for its round.
+    ``timeout_s`` only bounds how long the node waits for its own ranks:
+    when it passes with local ranks missing, the node hands the coordinator
+    the ranks that arrived (and each later one as it arrives), so the
+    coordinator's round timeout decides the round for every node alike. Once
+    a round is upstream the node waits for the coordinator's answer, which the
+    coordinator's round timeout bounds; if the stream ends first, every rank
+    still waiting gets :class:`~lossreduce.errors.CoordinatorUnavailableError`
+    at once, and so does every later call.
 
     Use as ``async with NodeAggregator(channel, job=..., group=..., local_ranks=...)``.
     """
@@ -176,6 +206,9 @@ class NodeAggregator:
         """Requests written upstream, oldest first: (step, the local ranks each answers)."""
         self._write_lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._ended: str | None = None
+        """Why the stream to the coordinator is no longer usable (None while it is)."""
 
     def start(self) -> NodeAggregator:
         """Open the upstream stream (on the running loop); returns ``self``."""
@@ -184,14 +217,18 @@ class NodeAggregator:
         return self
 
     async def close(self) -> None:
-        """Close the upstream stream and stop reading answers."""
+        """Close the upstream stream and stop reading answers; ranks still
+        waiting get :class:`~lossreduce.errors.CoordinatorUnavailableError`."""
         if self._call is not None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 await self._call.done_writing()
-        if self._reader is not None:
-            self._reader.cancel()
+        tasks = [*self._flushes, *([self._reader] if self._reader is not None else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+                await task
+        self._end("the node aggregator was closed")
 
     async def __aenter__(self) -> NodeAggregator:
         return self.start()
@@ -218,8 +255,7 @@ class NodeAggregator:
             contracts=tuple([contracts.get(t, "") for t in terms]),
         )
         state = await self._arrive(step, [mine])
-        # shield: a cancelled rank must not cancel the answer its node peers wait for.
-        await asyncio.shield(state.done)
+        await self._wait(state, (rank,))
         return self._answer(step, rank, state)
 
     async def reduce_node(
@@ -228,7 +264,7 @@ class NodeAggregator:
         """Every local rank's contribution at once (a node agent that already holds
         them); each rank's normalizers or error, in the order given."""
         state = await self._arrive(step, contributions)
-        await asyncio.shield(state.done)
+        await self._wait(state, [c.rank for c in contributions])
         results: list[dict[str, float] | LossReduceError] = []
         for c in contributions:
             try:
@@ -243,15 +279,23 @@ class NodeAggregator:
             state = self._steps[step] = _Step()
             # One deadline per round, not one timer per rank.
             state.timer = asyncio.get_running_loop().call_later(
-                self._timeout_s, self._expire, step, state
+                self._timeout_s, self._flush, step, state
             )
-        complete_before = len(state.arrived) == len(self._local)
         for c in contributions:
             self._check_local(step, c, state.arrived.get(c.rank))
             state.arrived[c.rank] = c
-        if not complete_before and len(state.arrived) == len(self._local):
+        if self._ended is not None:
+            self._fail(step, state)
+        elif state.flushing or len(state.arrived) == len(self._local):
             await self._send(step, state)
         return state
+
+    @staticmethod
+    async def _wait(state: _Step, ranks: Iterable[int]) -> None:
+        ranks = tuple(ranks)
+        while state.failure is None and not all(r in state.answers for r in ranks):
+            # shield: a cancelled rank must not cancel the wake-up its node peers wait for.
+            await asyncio.shield(state.updated)
 
     def _check_local(
         self, step: int, c: RankContribution, previous: RankContribution | None
@@ -280,36 +324,54 @@ class NodeAggregator:
             )
 
     def _answer(self, step: int, rank: int, state: _Step) -> dict[str, float]:
-        response, normalizers = state.answers[rank]
+        answer = state.answers.get(rank)
+        if answer is None:
+            assert state.failure is not None, f"step {step} rank {rank}: woken without an answer"
+            raise state.failure
+        response, normalizers = answer
         if response.HasField("error") and response.error.code != 0:
             raise from_status(
                 response.error, job=self._job, group=self._group, step=step, rank=rank
             )
         return dict(normalizers)
 
-    def _expire(self, step: int, state: _Step) -> None:
-        if state.done.done():
+    def _flush(self, step: int, state: _Step) -> None:
+        """The node's deadline for ``step``: local ranks are missing, so the
+        coordinator (not this node) decides the round from here on."""
+        state.timer = None
+        if state.failure is not None or len(state.sent) == len(self._local):
             return
-        state.done.set_exception(
-            CoordinatorUnavailableError(
-                f"{describe_round(self._job, self._group, step)}: no answer within "
-                f"{self._timeout_s:g} s (local ranks arrived: {sorted(state.arrived)} of "
-                f"{sorted(self._local)})",
-                job=self._job,
-                group=self._group,
-                step=step,
-            )
-        )
+        state.flushing = True
+        task = asyncio.create_task(self._send(step, state))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
 
     async def _send(self, step: int, state: _Step) -> None:
+        """Send upstream the arrived local ranks not sent yet (each rank goes once)."""
         assert self._call is not None, "use the aggregator as an async context manager"
+        fresh = [c for r, c in state.arrived.items() if r not in state.sent]
+        if not fresh:
+            return
+        state.sent.update(c.rank for c in fresh)
+        if len(state.sent) == len(self._local) and state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
         key = pb.RoundKey(job=self._job, group=self._group, step=step)
-        requests = node_requests(key, list(state.arrived.values()))
-        async with self._write_lock:  # FIFO: requests go out in the order they were queued
-            for request in requests:
-                covered = tuple(request.covered_ranks) or (request.rank,)
-                self._in_flight.append((step, covered))
-                await self._call.write(request)
+        requests = node_requests(key, fresh)
+        try:
+            async with self._write_lock:  # FIFO: requests go out in the order they were queued
+                for request in requests:
+                    if self._ended is not None:
+                        break
+                    covered = tuple(request.covered_ranks) or (request.rank,)
+                    self._in_flight.append((step, covered))
+                    await self._call.write(request)
+        except grpc.aio.AioRpcError as err:
+            self._end(f"writing to the coordinator failed: {err.code().name}: {err.details()}")
+        except asyncio.InvalidStateError:
+            self._end("the node's stream to the coordinator was closed for writing")
+        if self._ended is not None:
+            self._fail(step, state)
 
     async def _read_answers(self) -> None:
         assert self._call is not None
@@ -317,29 +379,50 @@ class NodeAggregator:
             while True:
                 response = await self._call.read()
                 if response is grpc.aio.EOF:
-                    break
+                    self._end("the coordinator ended the node's stream")
+                    return
+                if not self._in_flight:
+                    self._end("the coordinator answered a request this node never sent")
+                    return
                 step, covered = self._in_flight.popleft()
                 state = self._steps[step]
                 answer = (response, {n.term: n.value for n in response.normalizers})
                 for rank in covered:
                     state.answers[rank] = answer
-                if len(state.answers) == len(self._local) and not state.done.done():
-                    if state.timer is not None:
-                        state.timer.cancel()
-                    state.done.set_result(None)
+                state.notify()
+                if len(state.answers) == len(self._local):
                     self._forget_before(step)
         except grpc.aio.AioRpcError as err:
-            failure = CoordinatorUnavailableError(
-                f"job {self._job!r} group {self._group!r}: the node's stream to the "
-                f"coordinator failed: {err.code().name}: {err.details()}",
-                job=self._job,
-                group=self._group,
+            self._end(
+                f"the node's stream to the coordinator failed: {err.code().name}: {err.details()}"
             )
-            for state in self._steps.values():
-                if not state.done.done():
-                    state.done.set_exception(failure)
+
+    def _end(self, reason: str) -> None:
+        """The stream is unusable: fail every step still waiting, and every later one."""
+        if self._ended is None:
+            self._ended = reason
+        for step, state in self._steps.items():
+            self._fail(step, state)
+
+    def _fail(self, step: int, state: _Step) -> None:
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        if state.settled():
+            return
+        waiting = sorted(set(state.arrived) - set(state.answers))
+        state.failure = CoordinatorUnavailableError(
+            f"{describe_round(self._job, self._group, step)}: {self._ended}; local ranks "
+            f"{waiting} got no answer (arrived: {sorted(state.arrived)} of {sorted(self._local)})",
+            job=self._job,
+            group=self._group,
+            step=step,
+            ranks=waiting,
+        )
+        state.notify()
 
     def _forget_before(self, step: int) -> None:
-        # Keep a few finished steps for local retries; drop older ones.
-        for old in [s for s in self._steps if s < step - 8]:
+        # Keep a few finished steps for local retries; drop older settled ones. A step
+        # still collecting its ranks or with a request in flight stays until it settles.
+        for old in [s for s, st in self._steps.items() if s < step - 8 and st.settled()]:
             del self._steps[old]
