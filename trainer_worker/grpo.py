@@ -119,7 +119,9 @@ class GRPOLoss:
     Microbatches hold ``tokens`` ``[N, P + L]``, ``loss_mask``,
     ``old_logprobs``, ``ref_logprobs`` ``[N, L]``, ``advantages`` ``[N]`` and
     ``group_sizes`` ``[G]``; the model output handed to the loss is the
-    response log-probs ``[N, L]`` (:meth:`forward`).
+    response log-probs ``[N, L]`` (:meth:`forward`) at the sampling
+    ``temperature``, the one ``old_logprobs`` and ``ref_logprobs`` were taken
+    at, so the PPO ratio of the unchanged policy is exactly 1.
     """
 
     def __init__(
@@ -130,20 +132,22 @@ class GRPOLoss:
         kl_coef: float,
         clip_eps: float,
         prompt_len: int,
+        temperature: float = 1.0,
     ) -> None:
         self.pg = PolicyGradientReduction(mode, divisor)
         self.kl = PolicyGradientReduction("token_mean") if kl_coef > 0 else None
         self.kl_coef = kl_coef
         self.clip_eps = clip_eps
         self.prompt_len = prompt_len
+        self.temperature = temperature
         terms = [self.pg.term(PG_TERM)]
         if self.kl is not None:
             terms.append(self.kl.term(KL_TERM))
         self.reduction = LossReduction(self.loss, terms)
 
     def forward(self, model: nn.Module, microbatch: Batch) -> Tensor:
-        """The engine's ``forward_fn``: response log-probs ``[N, L]``."""
-        return response_logprobs(model, microbatch["tokens"], self.prompt_len)
+        """The engine's ``forward_fn``: response log-probs ``[N, L]`` at the sampling temperature."""
+        return response_logprobs(model, microbatch["tokens"], self.prompt_len, self.temperature)
 
     def loss(self, logprobs: Tensor, microbatch: Batch) -> Mapping[str, Tensor]:
         """Every term's local mean for one microbatch."""

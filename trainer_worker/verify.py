@@ -142,6 +142,7 @@ def single_process_gradients(
         kl_coef=settings.kl_coef,
         clip_eps=settings.clip_eps,
         prompt_len=batch.prompt_len,
+        temperature=settings.temperature,
     )
     captured: dict[str, torch.Tensor] = {}
 

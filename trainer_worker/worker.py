@@ -157,6 +157,7 @@ class TrainerWorker:
             kl_coef=self.settings.kl_coef,
             clip_eps=self.settings.clip_eps,
             prompt_len=1 + self.settings.prompt_len,
+            temperature=self.settings.temperature,
         )
         self.metrics = WorkerMetrics(config.job)
         self._normalizer: TimedNormalizer | None = None

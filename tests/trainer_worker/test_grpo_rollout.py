@@ -91,3 +91,38 @@ def test_batch_select_groups_keeps_groups_whole() -> None:
     assert sub.group_sizes == (3, 3)
     assert torch.equal(sub.tokens, torch.cat([batch.tokens[5:8], batch.tokens[0:3]]))
     assert torch.equal(sub.advantages, torch.cat([batch.advantages[5:8], batch.advantages[0:3]]))
+
+
+def test_training_logprobs_match_sampling_logprobs_at_any_temperature() -> None:
+    """The PPO ratio of the unchanged policy is 1: the loss's forward takes the
+    log-probs at the temperature ``old_logprobs`` were sampled at."""
+    from lossreduce.trainer_worker.grpo import GRPOLoss
+    from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
+
+    torch.manual_seed(0)
+    model = CausalTransformer(PolicyConfig(d_model=16, n_heads=2, n_layers=1)).eval()
+    task = DigitTask()
+    prompts = task.sample_prompts(4, torch.Generator().manual_seed(1))
+    for temperature in (0.5, 1.0, 2.0):
+        s = sample_responses(
+            model,
+            model,
+            prompts.tokens,
+            samples_per_prompt=4,
+            response_len=task.response_len,
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(3),
+        )
+        loss = GRPOLoss(
+            PolicyGradientMode("token_mean"),
+            divisor=None,
+            kl_coef=0.1,
+            clip_eps=0.2,
+            prompt_len=prompts.tokens.shape[1],
+            temperature=temperature,
+        )
+        with torch.no_grad():
+            logprobs = loss.forward(model, {"tokens": s.tokens})
+        mask = s.loss_mask.bool()
+        torch.testing.assert_close(logprobs[mask], s.old_logprobs[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logprobs[mask], s.ref_logprobs[mask], rtol=0, atol=1e-5)
