@@ -25,6 +25,7 @@ from typing import Protocol
 import ray
 import torch
 from pydantic import SecretStr
+from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
 from lossreduce.client import ClientSettings
@@ -41,7 +42,12 @@ from lossreduce.trainer_worker.verify import (
     single_process_gradients,
 )
 from lossreduce.trainer_worker.worker import WorkerStepResult
-from lossreduce.trainer_worker.worker_group import TrainingFailedError, WorkerGroup, short_error
+from lossreduce.trainer_worker.worker_group import (
+    TrainingFailedError,
+    WorkerGroup,
+    death_reason,
+    short_error,
+)
 
 __all__ = ["RunResult", "StepObserver", "TrainingFailedError", "default_out_dir", "run"]
 
@@ -257,7 +263,13 @@ def run(
                 raise TrainingFailedError(f"--placement {settings.placement}: {err}") from err
             workers = WorkerGroup.start(settings, job, placement, target, token)
             if coordinator is not None:
-                coordinator.wait_ready(STARTUP_TIMEOUT_S)
+                try:
+                    coordinator.wait_ready(STARTUP_TIMEOUT_S)
+                except (RayActorError, GetTimeoutError) as err:
+                    raise TrainingFailedError(
+                        f"the coordinator actor {coordinator.name} did not start: "
+                        f"{death_reason(err)}"
+                    ) from err
             console.print(
                 f"lossreduce train: job {job!r}, {settings.workers} workers "
                 f"({'GPU' if placement.use_gpu else 'CPU'}, {settings.placement}), "
@@ -278,9 +290,13 @@ def run(
             failed = False
             return RunResult(job, out_dir, tuple(outputs.records), None)
         finally:
-            if workers is not None:
-                workers.shutdown(graceful=not failed)
-            if placement is not None:
-                placement.remove()
-            if coordinator is not None:
-                coordinator.stop()
+            try:
+                if workers is not None:
+                    workers.shutdown(graceful=not failed)
+            finally:
+                try:
+                    if placement is not None:
+                        placement.remove()
+                finally:
+                    if coordinator is not None:
+                        coordinator.stop()

@@ -27,6 +27,7 @@ __all__ = [
     "FAILURE_GRACE_S",
     "TrainingFailedError",
     "WorkerGroup",
+    "death_reason",
     "describe_failure",
     "short_error",
     "worker_name",
@@ -57,7 +58,7 @@ def short_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:400]}"
 
 
-def _death_reason(err: BaseException) -> str:
+def death_reason(err: BaseException) -> str:
     """Why an actor died, in one line (its constructor's exception when it had one)."""
     lines = [line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip()]
     if not lines:
@@ -164,7 +165,7 @@ class WorkerGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except RayActorError as err:
-                    dead[rank] = _death_reason(err)
+                    dead[rank] = death_reason(err)
                 except Exception as err:  # a rank's own error, reported with its rank
                     errors[rank] = short_error(err)
                 if dead or errors:
