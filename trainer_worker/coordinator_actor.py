@@ -21,6 +21,7 @@ the token travels in clear text — use an external coordinator with TLS
 from __future__ import annotations
 
 import re
+import secrets
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -125,10 +126,16 @@ class CoordinatorHandle:
                     Path(f"{self.journal}{suffix}").unlink(missing_ok=True)
 
 
-def default_journal(job: str) -> Path:
-    """Where the coordinator actor of ``job`` journals: this node's temp dir."""
+def default_journal(job: str, run_id: str | None = None) -> Path:
+    """Where the coordinator actor of ``job`` journals: this node's temp dir.
+
+    ``run_id`` tells runs of the same job apart: a journal left behind by a run
+    whose driver died must not answer the next run's rounds as if they were
+    retries (a fresh coordinator looks up the journal's steps).
+    """
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", job)
-    return Path(tempfile.gettempdir()) / f"lossreduce-coordinator-{safe}.sqlite3"
+    run = f"-{run_id}" if run_id else ""
+    return Path(tempfile.gettempdir()) / f"lossreduce-coordinator-{safe}{run}.sqlite3"
 
 
 def start_coordinator_actor(
@@ -142,10 +149,11 @@ def start_coordinator_actor(
     Returns at once: the address is known up front (this node, a port chosen
     here), so the workers can start meanwhile; :meth:`CoordinatorHandle.wait_ready`
     waits for it to serve. The actor journals finished rounds to ``journal``
-    (``"tmp"``: :func:`default_journal`; None: no journal); it is pinned to
-    this node, so a restarted actor finds the file again. ``stop()`` deletes it.
+    (``"tmp"``: :func:`default_journal`, a file new to this run; None: no
+    journal); it is pinned to this node, so a restarted actor (same arguments)
+    finds the file again. ``stop()`` deletes it.
     """
-    journal_path = default_journal(job) if journal == "tmp" else journal
+    journal_path = default_journal(job, secrets.token_hex(6)) if journal == "tmp" else journal
     assert not isinstance(journal_path, str)
     name = f"lossreduce-coordinator-{job}"
     node_id = ray.get_runtime_context().get_node_id()

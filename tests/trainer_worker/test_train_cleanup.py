@@ -67,3 +67,32 @@ def test_a_coordinator_actor_that_cannot_start_fails_the_run_naming_it(
     assert "TokenFileError" in message
     assert ray.util.list_named_actors() == []
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
+def test_a_rerun_of_a_job_whose_driver_crashed_does_not_read_the_crashed_runs_journal() -> None:
+    from lossreduce.client import ClientSettings, ReductionClient
+
+    token = SecretStr("x" * 32)
+
+    def step0(handle: CoordinatorHandle, pg: float) -> dict[str, float]:
+        settings = ClientSettings(call_timeout_s=30, token=token)
+        with ReductionClient(
+            handle.target, job="rerun", group="policy", rank=0, world_size=1, settings=settings
+        ) as client:
+            return client.reduce(0, {"pg": pg})
+
+    crashed = start_coordinator_actor("rerun", 5.0, token)
+    crashed.wait_ready(120)
+    assert step0(crashed, 3.0) == {"pg": 3.0}
+    # The driver dies without its cleanup: the actor goes, its journal stays.
+    ray.kill(crashed.actor, no_restart=True)
+    rerun = start_coordinator_actor("rerun", 5.0, token)
+    try:
+        rerun.wait_ready(120)
+        # A fresh run's step 0 is its own round, not a "retry" of the crashed run's.
+        assert step0(rerun, 5.0) == {"pg": 5.0}
+    finally:
+        rerun.stop()
+        assert crashed.journal is not None
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{crashed.journal}{suffix}").unlink(missing_ok=True)
