@@ -17,6 +17,10 @@ __all__ = ["Mode", "TrainSettings"]
 
 Mode = Literal["token_mean", "seq_mean", "prompt_mean", "constant"]
 
+MAX_TIMEOUT_S = 1e6
+"""Upper bound of the timeouts (about 11 days): Ray's waits and torch.distributed's
+timeout overflow on infinite or astronomically large ones."""
+
 
 class TrainSettings(BaseModel):
     """Everything a training run needs; defaults finish in minutes on 2 CPU cores."""
@@ -54,6 +58,8 @@ class TrainSettings(BaseModel):
     round_timeout_s: float = Field(
         default=30.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
         description="Round timeout of the embedded coordinator, in seconds; also bounds how "
         "long the driver waits for a step beyond it before declaring it hung, and the workers' "
         "call deadline (this plus 30 s). With --coordinator, set it to that coordinator's "
@@ -62,6 +68,8 @@ class TrainSettings(BaseModel):
     step_timeout_s: float = Field(
         default=600.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
         description="Longest the driver waits for the workers to finish one phase of a step "
         "(sampling or training) before declaring the run hung.",
     )

@@ -238,6 +238,11 @@ def test_empty_step_raises_on_every_rank_with_the_torch_backend_too(tmp_path: Pa
         (["--placement", "pack"], "--placement pack: Input should be 'PACK'"),
         (["--coordinator", "nohost"], "--coordinator nohost: String should match pattern"),
         (["--lr", "inf"], "--lr inf: Input should be a finite number"),
+        # Ray's wait and torch.distributed's timedelta overflow on these: reject them here.
+        (["--step-timeout-s", "inf"], "--step-timeout-s inf: Input should be a finite number"),
+        (["--round-timeout-s", "inf"], "--round-timeout-s inf: Input should be a finite number"),
+        (["--round-timeout-s", "1e300"], "--round-timeout-s 1e300: Input should be less than"),
+        (["--step-timeout-s", "1e300"], "--step-timeout-s 1e300: Input should be less than"),
         (["--steps"], "argument --steps: expected one argument"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
