@@ -267,6 +267,11 @@ class CoordinatorThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._coordinator: Coordinator | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._stop_lock = threading.Lock()
+        self._stop_asked = False
+        self._grace_s: float | None = None
+        self._stop_error: Exception | None = None
 
     @property
     def coordinator(self) -> Coordinator:
@@ -294,6 +299,7 @@ class CoordinatorThread:
         """Start the thread and return once the coordinator is SERVING (or raise why not)."""
         if self._thread is not None:
             raise RuntimeError("The coordinator thread was already started.")
+        self._stop_asked, self._grace_s = False, None
         loop = asyncio.new_event_loop()
         ready: concurrent.futures.Future[Coordinator] = concurrent.futures.Future()
         thread = threading.Thread(
@@ -327,19 +333,44 @@ class CoordinatorThread:
         except BaseException as exc:
             ready.set_exception(exc)
             return
+        stop_requested = self._stop_requested = asyncio.Event()
         ready.set_result(coordinator)
-        await coordinator.wait_stopped()
+        # Stopped by stop() (a request set on this loop) or by a stop() awaited here.
+        waits = [
+            asyncio.ensure_future(stop_requested.wait()),
+            asyncio.ensure_future(coordinator.wait_stopped()),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        try:
+            await coordinator.stop(self._grace_s)  # returns at once if already stopped
+        except Exception as exc:
+            self._stop_error = exc
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and stop the coordinator (``grace_s`` defaults to the setting), join the thread."""
         loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
-        if self._coordinator is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                asyncio.run_coroutine_threadsafe(self._coordinator.stop(grace_s), loop).result()
+        request = self._stop_requested
+        if request is not None:
+            with self._stop_lock:
+                if not self._stop_asked:
+                    self._stop_asked, self._grace_s = True, grace_s
+            # A plain callback, not a coroutine: a loop that already ended (another
+            # stop() got there first) may close without running it, harmlessly.
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                loop.call_soon_threadsafe(request.set)
+        # The thread ends once the coordinator has stopped.
         thread.join()
         self._loop = self._thread = None
+        error, self._stop_error = self._stop_error, None
+        if error is not None:
+            raise error
 
     def __enter__(self) -> CoordinatorThread:
         return self.start()

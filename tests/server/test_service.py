@@ -3,6 +3,7 @@ concurrent threads, over unary Reduce and over ReduceStream, with raw stubs."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import urllib.request
@@ -449,3 +450,37 @@ def test_an_answer_for_terms_the_round_never_had_is_an_error_not_a_crash() -> No
     assert isinstance(err, ContractMismatchError)
     assert "rank 0 sent terms ['kl'] but the round completed with terms ['tokens']" in err.message
     assert err.message.startswith("job 'job-t' group 'actor' step 1: ")
+
+
+def test_coordinator_thread_stop_returns_when_the_loop_ends_before_running_it(
+    coordinator_factory,
+) -> None:
+    """A stop() racing another (or a coordinator already stopped on its loop) must not
+    wait for an answer from a loop that closes without running its request."""
+    coord = coordinator_factory()
+    loop = coord._loop
+    assert loop is not None
+    scheduled, release = threading.Event(), threading.Event()
+    close, call_soon_threadsafe = loop.close, loop.call_soon_threadsafe
+
+    def close_once_scheduled() -> None:
+        release.wait()
+        close()
+
+    def schedule(*args, **kwargs):
+        handle = call_soon_threadsafe(*args, **kwargs)
+        scheduled.set()
+        return handle
+
+    loop.close = close_once_scheduled
+    loop.call_soon_threadsafe = schedule
+    # Stop the coordinator on its own loop: the thread's loop then ends and waits
+    # in close() until the second stop() below has handed it its request.
+    asyncio.run_coroutine_threadsafe(coord.coordinator.stop(0.0), loop).result()
+    scheduled.clear()
+    stopper = threading.Thread(target=coord.stop)
+    stopper.start()
+    scheduled.wait()
+    release.set()
+    stopper.join(timeout=60.0)
+    assert not stopper.is_alive(), "CoordinatorThread.stop() hangs"
