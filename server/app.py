@@ -251,7 +251,7 @@ class CoordinatorThread:
 
     Attributes once started: ``target`` (``"127.0.0.1:PORT"``), ``port``,
     ``metrics_port`` and ``metrics_url`` (None when metrics are off), and
-    ``coordinator`` (only touch it from its loop, e.g. via :meth:`call`).
+    ``coordinator`` (not thread-safe: only touch it from its own event loop).
     """
 
     def __init__(
