@@ -159,16 +159,44 @@ class Admission:
 
 
 class _Group:
-    __slots__ = ("finished", "last_activity", "live", "newest_step", "stale_floor")
+    __slots__ = ("evicted", "finished", "last_activity", "live", "newest_step", "stale_floor")
 
     def __init__(self, now: float) -> None:
         self.live: dict[int, Round] = {}
         self.finished: OrderedDict[int, Round] = OrderedDict()
         self.newest_step = -1
-        # Steps at or below this were evicted from the cache; a new round for
-        # them could double-count a retry, so they are refused as stale.
+        # Steps evicted from the cache: a new round for one could double-count a
+        # retry, so they are refused as stale. ``evicted`` holds them exactly, so a
+        # step sent out of order that never opened is not refused with them; the
+        # oldest fold into ``stale_floor`` (every step at or below it is refused)
+        # once the set outgrows what pipelined steps can leave behind.
+        self.evicted: set[int] = set()
         self.stale_floor = -1
         self.last_activity = now
+
+    def evict(self, step: int, settings: CoordinatorSettings) -> None:
+        self.evicted.add(step)
+        floor = max(self.stale_floor, self.newest_step - settings.retained_steps)
+        bound = settings.finished_cache_size + 2 * settings.max_rounds_in_flight
+        if len(self.evicted) > bound:
+            self.evicted = {e for e in self.evicted if e > floor}
+            while len(self.evicted) > bound:
+                oldest = min(self.evicted)
+                self.evicted.discard(oldest)
+                floor = max(floor, oldest)
+        while floor + 1 in self.evicted:
+            floor += 1
+            self.evicted.discard(floor)
+        self.stale_floor = floor
+
+    def is_stale(self, step: int, settings: CoordinatorSettings) -> int | None:
+        """The floor ``step`` is refused under (for the message), or None if not stale."""
+        floor = max(self.stale_floor, self.newest_step - settings.retained_steps)
+        if step <= floor:
+            return floor
+        if step in self.evicted:
+            return step
+        return None
 
 
 def _distinct(slots: list[Contribution | None]) -> list[Contribution]:
@@ -614,8 +642,8 @@ class RoundTable:
                     s.max_groups_per_job,
                 )
             return None
-        floor = max(group.stale_floor, group.newest_step - s.retained_steps)
-        if key.step <= floor:
+        floor = group.is_stale(key.step, s)
+        if floor is not None:
             return _round_error(
                 StaleRoundError,
                 key,
@@ -762,7 +790,7 @@ class RoundTable:
         group.finished[rnd.key.step] = rnd
         while len(group.finished) > self._settings.finished_cache_size:
             step, _ = group.finished.popitem(last=False)
-            group.stale_floor = max(group.stale_floor, step)
+            group.evict(step, self._settings)
         if self._observer is not None:
             previous, last = rnd.previous_arrival, rnd.last_arrival
             wait = None if previous is None or last is None else last - previous

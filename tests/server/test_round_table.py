@@ -365,6 +365,20 @@ def test_steps_evicted_from_the_cache_are_stale_not_recollected() -> None:
     assert isinstance(cached, Outcome)
 
 
+def test_a_step_sent_out_of_order_is_not_stale_because_later_steps_were_evicted() -> None:
+    # Pipelined steps may finish before an earlier one is sent by any rank; evicting
+    # the later ones must not refuse the earlier one, which was never collected.
+    table, _ = make_table(finished_cache_size=2, max_rounds_in_flight=8)
+    for step in (2, 3, 4, 5):
+        finish(table, step_key(step))
+    assert table.lookup(step_key(2)) is None
+    assert table.contribute(step_key(1), contribution(0, 2, tok=1.0), 0.0).created
+    for evicted in (2, 3):
+        err = answer(table.contribute(step_key(evicted), contribution(0, 1, tok=1.0), 0.0), 0)
+        assert isinstance(err, StaleRoundError)
+        assert err.limit == "retained_steps"
+
+
 def test_rounds_pipeline_up_to_the_in_flight_limit() -> None:
     table, _ = make_table(max_rounds_in_flight=2)
     for step in (1, 2):
