@@ -469,11 +469,13 @@ class RoundTable:
         if invalid is not None:
             return self._reject_invalid(rnd, c.rank, invalid, now, created)
         if rnd.outcome is not None:
-            # A late or restarted rank of a round that already ended gets that ending,
-            # unless it disagrees with the round's contract: then it never counted.
-            late_mismatch = _late_mismatch(rnd, c)
-            if late_mismatch is not None:
-                return Admission(None, late_mismatch)
+            # A late or restarted rank of a round that already ended gets that ending:
+            # a failure is every rank's, whatever it sent. Success is only for a rank
+            # that agrees with the round's contract; one that disagrees never counted.
+            if rnd.outcome.kind is OutcomeKind.COMPLETED:
+                late_mismatch = _late_mismatch(rnd, c)
+                if late_mismatch is not None:
+                    return Admission(None, late_mismatch)
             return Admission(rnd)
 
         mismatch = _mismatch(key, rnd.reference, c)
