@@ -23,6 +23,7 @@ from lossreduce.server.aggregator import NodeAggregator, RankContribution, node_
 from lossreduce.server.expansion import ExpansionOverflowError, exact_expansion
 from lossreduce.server.outcomes import Outcome, OutcomeKind, RoundKey
 from lossreduce.server.round_table import Contribution, Round, RoundTable
+from lossreduce.server.servicer import contribution_from_request
 from lossreduce.server.settings import CoordinatorSettings
 from lossreduce.v2 import coordinator_pb2 as pb
 
@@ -75,18 +76,7 @@ def aggregate(ranks, values_by_rank, world):
     return request
 
 
-def as_contribution(request: pb.ReduceRequest) -> Contribution:
-    parts = request.partials
-    return Contribution(
-        rank=request.rank,
-        world_size=request.world_size,
-        terms=tuple(p.term for p in parts),
-        values=tuple(p.value for p in parts),
-        contracts=tuple(p.contract for p in parts),
-        covers=tuple(request.covered_ranks),
-        expansions=tuple(tuple(p.expansion) for p in parts),
-        zero_ranks=tuple(p.zero_ranks for p in parts),
-    )
+as_contribution = contribution_from_request
 
 
 def single(rank, world, values):

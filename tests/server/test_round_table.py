@@ -35,6 +35,7 @@ from lossreduce.server import (
     RoundTable,
 )
 from lossreduce.server.aggregator import RankContribution, node_requests
+from lossreduce.server.servicer import contribution_from_request
 from lossreduce.v2 import coordinator_pb2 as pb
 
 KEY = RoundKey("job-a", "actor", 7)
@@ -655,17 +656,7 @@ def test_after_a_restart_aggregated_contributions_are_checked_like_single_ranks(
         (request,) = node_requests(
             key, [RankContribution(r, 4, terms, (value,), contracts) for r in ranks]
         )
-        parts = request.partials
-        return Contribution(
-            rank=request.rank,
-            world_size=request.world_size,
-            terms=tuple(p.term for p in parts),
-            values=tuple(p.value for p in parts),
-            contracts=tuple(p.contract for p in parts),
-            covers=tuple(request.covered_ranks),
-            expansions=tuple(tuple(p.expansion) for p in parts),
-            zero_ranks=tuple(p.zero_ranks for p in parts),
-        )
+        return contribution_from_request(request)
 
     first = node([0, 1, 2], 1.0)
     restarted, store = _restart_after((first, 0.0), (contribution(3, 4, tok=2.0), 0.0))
