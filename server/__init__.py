@@ -11,15 +11,13 @@
   checks bearer tokens and job scopes; ``security`` holds TLS and the binding
   rule; ``limits`` and ``wire_guard`` refuse over-long names and undecodable
   bytes; ``hardening`` assembles them from the settings.
-- Scale (README "Performance"): ``aggregator`` is the node-local
-  aggregator of hierarchical aggregation (one exact contribution per node,
-  ``expansion`` its float expansions); ``bench*`` is ``lossreduce bench``.
+- ``bench`` is ``lossreduce bench`` (README "Performance"); nothing here
+  imports it. The node-local aggregator that feeds hierarchical rounds dials
+  the coordinator, so it lives in :mod:`lossreduce.client`.
 """
 
-from .aggregator import NodeAggregator, RankContribution, node_requests
 from .app import SERVICE_NAME, Coordinator, CoordinatorThread, serve, start
 from .auth import BearerTokenInterceptor, TokenFileError, TokenGrant, TokenRegistry, load_tokens
-from .expansion import ExpansionOverflowError, exact_expansion
 from .journal import JournalError, JournalRecord, JournalSettings, RoundJournal
 from .journal_store import JournalOutcomeStore
 from .metrics import CoordinatorMetrics
@@ -47,17 +45,14 @@ __all__ = [
     "CoordinatorServicer",
     "CoordinatorSettings",
     "CoordinatorThread",
-    "ExpansionOverflowError",
     "InsecureBindingError",
     "JournalError",
     "JournalOutcomeStore",
     "JournalRecord",
     "JournalSettings",
-    "NodeAggregator",
     "Outcome",
     "OutcomeKind",
     "OutcomeStore",
-    "RankContribution",
     "RejectReason",
     "Round",
     "RoundJournal",
@@ -69,9 +64,7 @@ __all__ = [
     "TokenFileError",
     "TokenGrant",
     "TokenRegistry",
-    "exact_expansion",
     "load_tokens",
-    "node_requests",
     "serve",
     "start",
 ]

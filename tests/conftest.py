@@ -9,6 +9,7 @@
   ``"127.0.0.1:PORT"``, ``.metrics_url`` its ``/metrics``. Parametrize it
   indirectly with a dict of overrides:
   ``@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 0.5}], indirect=True)``.
+- ``ranks``: raw generated stubs talking to ``coordinator`` (``tests.raw_stub``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from tests.raw_stub import Ranks
 
 CoordinatorFactory = Callable[..., CoordinatorThread]
 
@@ -68,3 +70,11 @@ def coordinator(
 ) -> CoordinatorThread:
     overrides: dict[str, Any] = getattr(request, "param", {})
     return coordinator_factory(**overrides)
+
+
+@pytest.fixture
+def ranks(coordinator: CoordinatorThread) -> Iterator[Ranks]:
+    """:class:`tests.raw_stub.Ranks` talking to the ``coordinator`` fixture."""
+    r = Ranks(coordinator.target)
+    yield r
+    r.close()

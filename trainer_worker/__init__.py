@@ -89,13 +89,5 @@ __all__ = [
     "zero_masked",
 ]
 
-# The training job (``lossreduce train``). Its Ray-facing modules —
-# ``driver`` (``run``, ``TrainingFailedError``), ``worker`` (``TrainerWorker``),
-# ``metrics`` (``WorkerMetrics``), ``placement`` and ``coordinator_actor`` — are
-# imported explicitly, so using the reduction library never imports Ray.
-from lossreduce.trainer_worker.grpo import GRPOLoss
-from lossreduce.trainer_worker.model import CausalTransformer, PolicyConfig
-from lossreduce.trainer_worker.task import DigitTask
-from lossreduce.trainer_worker.train_settings import TrainSettings
-
-__all__ += ["CausalTransformer", "DigitTask", "GRPOLoss", "PolicyConfig", "TrainSettings"]
+# The training job (``lossreduce train``) lives in ``lossreduce.trainer_worker.train``
+# and is imported explicitly, so using the reduction library never imports Ray.

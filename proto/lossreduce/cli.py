@@ -13,9 +13,12 @@ from collections.abc import Sequence
 # subcommand -> (module exposing ``main(argv) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lossreduce.server.cli", "run the reduction coordinator (gRPC + /metrics)"),
-    "status": ("lossreduce.server.status_cli", "list live and recent rounds of a coordinator"),
-    "train": ("lossreduce.trainer_worker.cli", "run GRPO-style training on Ray workers"),
-    "bench": ("lossreduce.server.bench", "benchmark the coordinator against gloo, TCPStore, Ray"),
+    "status": ("lossreduce.client.status_cli", "list live and recent rounds of a coordinator"),
+    "train": ("lossreduce.trainer_worker.train.cli", "run GRPO-style training on Ray workers"),
+    "bench": (
+        "lossreduce.server.bench.cli",
+        "benchmark the coordinator against gloo, TCPStore, Ray",
+    ),
 }
 
 

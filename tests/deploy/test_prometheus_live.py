@@ -39,7 +39,7 @@ from lossreduce.errors import (
     RoundTimeoutError,
 )
 from lossreduce.server import CoordinatorThread, OutcomeKind
-from lossreduce.trainer_worker.metrics import WorkerMetrics
+from lossreduce.trainer_worker.train.metrics import WorkerMetrics
 
 JOB, GROUP = "deploy-live", "actor"
 RATE_WINDOW = "5m"  # stands in for Grafana's $__rate_interval; long enough to outlast any wait

@@ -21,7 +21,7 @@ from lossreduce.server import SERVICE_NAME, CoordinatorSettings, CoordinatorThre
 from lossreduce.server.cli import build_parser, flag_name, main, settings_from_args
 from lossreduce.v2 import coordinator_pb2 as pb
 from tests.conftest import free_port
-from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Received, Send
+from tests.raw_stub import CALL_TIMEOUT_S, Ranks, Received, Send
 
 LOSSREDUCE = Path(sys.executable).with_name("lossreduce")
 

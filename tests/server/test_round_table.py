@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from lossreduce.client.aggregator import RankContribution, node_requests
 from lossreduce.errors import (
     ConflictingContributionError,
     ContractMismatchError,
@@ -34,7 +35,6 @@ from lossreduce.server import (
     RoundKey,
     RoundTable,
 )
-from lossreduce.server.aggregator import RankContribution, node_requests
 from lossreduce.server.servicer import contribution_from_request
 from lossreduce.v2 import coordinator_pb2 as pb
 

@@ -31,7 +31,7 @@ from lossreduce.server.outcomes import RoundKey
 from lossreduce.server.round_table import Contribution, RoundTable
 from lossreduce.server.servicer import _answer
 from lossreduce.v2 import coordinator_pb2 as pb
-from tests.server.conftest import CALL_TIMEOUT_S, Ranks, Received, Send
+from tests.raw_stub import CALL_TIMEOUT_S, Ranks, Received, Send
 
 MODES = ["unary", "stream"]
 

@@ -382,7 +382,7 @@ def test_lossreduce_status_uses_the_same_credentials(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from lossreduce.server import status_cli
+    from lossreduce.client import status_cli
 
     token = secrets.token_urlsafe(24)
     token_file = tmp_path / "tokens"

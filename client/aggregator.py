@@ -1,0 +1,428 @@
+"""Hierarchical aggregation: one contribution per node instead of one per rank.
+
+A node-local aggregator (the rank-0 worker of a node, or a per-node agent)
+collects the partials of the ranks on its node, checks each rank's
+contribution with the shared rules, and sends the coordinator *one*
+``ReduceRequest`` whose ``covered_ranks`` lists those ranks and whose partials
+carry the exact per-term sum as a non-overlapping expansion
+(:mod:`lossreduce.client.expansion`), plus how many ranks sent 0. The
+coordinator's answer is handed to every local rank.
+
+Guarantees kept:
+
+- exactness: the global normalizer is bit-identical to ``math.fsum`` over all
+  ranks in rank order, however ranks are grouped into nodes;
+- validation names the culprit rank: when any local rank's contribution is
+  invalid on its own or disagrees with its node peers (world size, term names,
+  contracts), the aggregator forwards every local rank's own contribution
+  unchanged, so the coordinator judges them exactly as without aggregation
+  (the culprit gets INVALID_ARGUMENT, everyone else ABORTED naming it);
+- idempotency: the aggregated request is a pure function of the local
+  contributions, so a re-sent identical request gets the identical outcome.
+
+:func:`node_requests` is the pure part; :class:`NodeAggregator` the asyncio
+shell around one upstream ``ReduceStream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
+from lossreduce.errors import (
+    ConflictingContributionError,
+    CoordinatorUnavailableError,
+    InvalidPartialError,
+    LossReduceError,
+    describe_round,
+    from_status,
+)
+from lossreduce.rules import check_partial, check_term_name
+from lossreduce.v2 import coordinator_pb2 as pb
+from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["NodeAggregator", "RankContribution", "node_requests"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankContribution:
+    """One local rank's contribution to one round, as it would send it alone."""
+
+    rank: int
+    world_size: int
+    terms: tuple[str, ...]
+    values: tuple[float, ...]
+    contracts: tuple[str, ...]
+
+    def request(self, key: pb.RoundKey) -> pb.ReduceRequest:
+        """This rank's own single-rank request (the fallback path)."""
+        return pb.ReduceRequest(
+            round=key,
+            rank=self.rank,
+            world_size=self.world_size,
+            partials=[
+                pb.TermPartial(term=t, value=v, contract=c)
+                for t, v, c in zip(self.terms, self.values, self.contracts, strict=True)
+            ],
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _terms_ok(terms: tuple[str, ...]) -> bool:
+    # A node sends the same few term tuples every step: check each tuple's names once.
+    return bool(terms) and len(set(terms)) == len(terms) and not any(map(check_term_name, terms))
+
+
+def _valid_alone(c: RankContribution) -> bool:
+    if not 0 <= c.rank < c.world_size or not _terms_ok(c.terms):
+        return False
+    return all(check_partial(v) is None for v in c.values)
+
+
+def node_requests(
+    key: pb.RoundKey, contributions: Sequence[RankContribution]
+) -> list[pb.ReduceRequest]:
+    """What a node sends upstream for one round: one aggregated request covering
+    every local rank, or, when any contribution is invalid or disagrees with
+    the first, every rank's own request (so the coordinator names the culprit)."""
+    ordered = sorted(contributions, key=lambda c: c.rank)
+    first = ordered[0]
+    agree = all(
+        c.world_size == first.world_size
+        and c.terms == first.terms
+        and c.contracts == first.contracts
+        for c in ordered
+    )
+    distinct = len({c.rank for c in ordered}) == len(ordered)
+    if not (agree and distinct and all(_valid_alone(c) for c in ordered)):
+        return [c.request(key) for c in ordered]
+    partials = []
+    for index, (term, contract) in enumerate(zip(first.terms, first.contracts, strict=True)):
+        column = [c.values[index] for c in ordered]  # [local ranks], in rank order
+        try:
+            expansion = exact_expansion(column)
+        except ExpansionOverflowError:
+            # The coordinator reports an overflowing normalizer for the whole round.
+            return [c.request(key) for c in ordered]
+        partials.append(
+            pb.TermPartial(
+                term=term,
+                value=math.fsum(expansion),  # the rounded sum; ``expansion`` is what is summed
+                contract=contract,
+                expansion=expansion,
+                zero_ranks=column.count(0.0),
+            )
+        )
+    return [
+        pb.ReduceRequest(
+            round=key,
+            rank=first.rank,
+            world_size=first.world_size,
+            partials=partials,
+            covered_ranks=[c.rank for c in ordered],
+        )
+    ]
+
+
+class _Step:
+    """One round as seen by the node: local arrivals, what went upstream, and
+    every rank's answer (or the node's failure to get one)."""
+
+    __slots__ = ("answers", "arrived", "failure", "flushing", "sent", "timer", "updated")
+
+    def __init__(self) -> None:
+        self.arrived: dict[int, RankContribution] = {}
+        self.sent: set[int] = set()
+        """Local ranks whose contribution went upstream (each goes once)."""
+        self.answers: dict[int, _Answer] = {}
+        """The coordinator's answer for each rank it answered."""
+        self.failure: CoordinatorUnavailableError | None = None
+        """Set when the stream ended before every arrived rank was answered."""
+        self.flushing = False
+        """The node's deadline passed with local ranks missing: each rank goes
+        upstream as it arrives, and the coordinator decides the round."""
+        self.timer: asyncio.TimerHandle | None = None
+        self.updated: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Resolved (then replaced) whenever answers come in or the step fails."""
+
+    def notify(self) -> None:
+        updated, self.updated = self.updated, asyncio.get_running_loop().create_future()
+        updated.set_result(None)
+
+    def settled(self) -> bool:
+        """Every rank that arrived has its answer or the step failed, and nothing is in flight."""
+        return self.failure is not None or (
+            bool(self.arrived) and len(self.answers) == len(self.arrived)
+        )
+
+
+# A response and its normalizers decoded once (every rank of an aggregate shares it).
+_Answer = tuple[pb.ReduceResponse, dict[str, float]]
+
+
+class NodeAggregator:
+    """The aggregator of one node: local ranks call :meth:`reduce`; the node
+    sends the coordinator one contribution per round over one stream.
+
+    Every local rank gets exactly the coordinator's answer for its round.
+    ``timeout_s`` only bounds how long the node waits for its own ranks:
+    when it passes with local ranks missing, the node hands the coordinator
+    the ranks that arrived (and each later one as it arrives), so the
+    coordinator's round timeout decides the round for every node alike. Once
+    a round is upstream the node waits for the coordinator's answer, which the
+    coordinator's round timeout bounds; if the stream ends first, every rank
+    still waiting gets :class:`~lossreduce.errors.CoordinatorUnavailableError`
+    at once, and so does every later call.
+
+    Use as ``async with NodeAggregator(channel, job=..., group=..., local_ranks=...)``.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        job: str,
+        group: str,
+        local_ranks: Sequence[int],
+        timeout_s: float = 300.0,
+    ) -> None:
+        if not local_ranks:
+            raise ValueError(f"job {job!r} group {group!r}: a node aggregator needs local ranks")
+        self._job, self._group = job, group
+        self._local = frozenset(local_ranks)
+        self._timeout_s = timeout_s
+        self._stub = pb_grpc.ReductionCoordinatorStub(channel)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._steps: dict[int, _Step] = {}
+        self._in_flight: deque[tuple[int, tuple[int, ...]]] = deque()
+        """Requests written upstream, oldest first: (step, the local ranks each answers)."""
+        self._write_lock = asyncio.Lock()
+        self._reader: asyncio.Task[None] | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._ended: str | None = None
+        """Why the stream to the coordinator is no longer usable (None while it is)."""
+
+    def start(self) -> NodeAggregator:
+        """Open the upstream stream (on the running loop); returns ``self``."""
+        self._call = self._stub.ReduceStream()
+        self._reader = asyncio.create_task(self._read_answers())
+        return self
+
+    async def close(self) -> None:
+        """Close the upstream stream and stop reading answers; ranks still
+        waiting get :class:`~lossreduce.errors.CoordinatorUnavailableError`."""
+        if self._call is not None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await self._call.done_writing()
+        tasks = [*self._flushes, *([self._reader] if self._reader is not None else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._end("the node aggregator was closed")
+
+    async def __aenter__(self) -> NodeAggregator:
+        return self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def reduce(
+        self,
+        rank: int,
+        world_size: int,
+        step: int,
+        partials: Mapping[str, float],
+        contracts: Mapping[str, str],
+    ) -> dict[str, float]:
+        """Rank ``rank``'s contribution to ``step``; returns the global normalizers
+        once the round completes, or raises the round's :mod:`lossreduce.errors` error."""
+        terms = tuple(partials)
+        mine = RankContribution(
+            rank=rank,
+            world_size=world_size,
+            terms=terms,
+            values=tuple(map(float, partials.values())),
+            contracts=tuple([contracts.get(t, "") for t in terms]),
+        )
+        state = await self._arrive(step, [mine])
+        await self._wait(state, (rank,))
+        return self._answer(step, rank, state)
+
+    async def reduce_node(
+        self, step: int, contributions: Sequence[RankContribution]
+    ) -> list[dict[str, float] | LossReduceError]:
+        """Every local rank's contribution at once (a node agent that already holds
+        them); each rank's normalizers or error, in the order given."""
+        state = await self._arrive(step, contributions)
+        await self._wait(state, [c.rank for c in contributions])
+        results: list[dict[str, float] | LossReduceError] = []
+        for c in contributions:
+            try:
+                results.append(self._answer(step, c.rank, state))
+            except LossReduceError as err:
+                results.append(err)
+        return results
+
+    async def _arrive(self, step: int, contributions: Sequence[RankContribution]) -> _Step:
+        state = self._steps.get(step)
+        if state is None:
+            state = self._steps[step] = _Step()
+            # One deadline per round, not one timer per rank.
+            state.timer = asyncio.get_running_loop().call_later(
+                self._timeout_s, self._flush, step, state
+            )
+        for c in contributions:
+            self._check_local(step, c, state.arrived.get(c.rank))
+            state.arrived[c.rank] = c
+        if self._ended is not None:
+            self._fail(step, state)
+        elif state.flushing or len(state.arrived) == len(self._local):
+            await self._send(step, state)
+        return state
+
+    @staticmethod
+    async def _wait(state: _Step, ranks: Iterable[int]) -> None:
+        ranks = tuple(ranks)
+        while state.failure is None and not all(r in state.answers for r in ranks):
+            # shield: a cancelled rank must not cancel the wake-up its node peers wait for.
+            await asyncio.shield(state.updated)
+
+    def _check_local(
+        self, step: int, c: RankContribution, previous: RankContribution | None
+    ) -> None:
+        where = describe_round(self._job, self._group, step)
+        if c.rank not in self._local:
+            raise InvalidPartialError(
+                f"{where}: rank {c.rank} is not a local rank of this node {sorted(self._local)}",
+                job=self._job,
+                group=self._group,
+                step=step,
+                rank=c.rank,
+                ranks=(c.rank,),
+            )
+        if previous is not None and previous != c:
+            raise ConflictingContributionError(
+                f"{where}: rank {c.rank} already gave this node {previous.values} and now "
+                f"{c.values}; the round keeps the first contribution",
+                job=self._job,
+                group=self._group,
+                step=step,
+                rank=c.rank,
+                terms=c.terms,
+                values=c.values,
+                ranks=(c.rank,),
+            )
+
+    def _answer(self, step: int, rank: int, state: _Step) -> dict[str, float]:
+        answer = state.answers.get(rank)
+        if answer is None:
+            assert state.failure is not None, f"step {step} rank {rank}: woken without an answer"
+            raise state.failure
+        response, normalizers = answer
+        if response.HasField("error") and response.error.code != 0:
+            raise from_status(
+                response.error, job=self._job, group=self._group, step=step, rank=rank
+            )
+        return dict(normalizers)
+
+    def _flush(self, step: int, state: _Step) -> None:
+        """The node's deadline for ``step``: local ranks are missing, so the
+        coordinator (not this node) decides the round from here on."""
+        state.timer = None
+        if state.failure is not None or len(state.sent) == len(self._local):
+            return
+        state.flushing = True
+        task = asyncio.create_task(self._send(step, state))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _send(self, step: int, state: _Step) -> None:
+        """Send upstream the arrived local ranks not sent yet (each rank goes once)."""
+        assert self._call is not None, "use the aggregator as an async context manager"
+        fresh = [c for r, c in state.arrived.items() if r not in state.sent]
+        if not fresh:
+            return
+        state.sent.update(c.rank for c in fresh)
+        if len(state.sent) == len(self._local) and state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        key = pb.RoundKey(job=self._job, group=self._group, step=step)
+        requests = node_requests(key, fresh)
+        try:
+            async with self._write_lock:  # FIFO: requests go out in the order they were queued
+                for request in requests:
+                    if self._ended is not None:
+                        break
+                    covered = tuple(request.covered_ranks) or (request.rank,)
+                    self._in_flight.append((step, covered))
+                    await self._call.write(request)
+        except grpc.aio.AioRpcError as err:
+            self._end(f"writing to the coordinator failed: {err.code().name}: {err.details()}")
+        except asyncio.InvalidStateError:
+            self._end("the node's stream to the coordinator was closed for writing")
+        if self._ended is not None:
+            self._fail(step, state)
+
+    async def _read_answers(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    self._end("the coordinator ended the node's stream")
+                    return
+                if not self._in_flight:
+                    self._end("the coordinator answered a request this node never sent")
+                    return
+                step, covered = self._in_flight.popleft()
+                state = self._steps[step]
+                answer = (response, {n.term: n.value for n in response.normalizers})
+                for rank in covered:
+                    state.answers[rank] = answer
+                state.notify()
+                if len(state.answers) == len(self._local):
+                    self._forget_before(step)
+        except grpc.aio.AioRpcError as err:
+            self._end(
+                f"the node's stream to the coordinator failed: {err.code().name}: {err.details()}"
+            )
+
+    def _end(self, reason: str) -> None:
+        """The stream is unusable: fail every step still waiting, and every later one."""
+        if self._ended is None:
+            self._ended = reason
+        for step, state in self._steps.items():
+            self._fail(step, state)
+
+    def _fail(self, step: int, state: _Step) -> None:
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        if state.settled():
+            return
+        waiting = sorted(set(state.arrived) - set(state.answers))
+        state.failure = CoordinatorUnavailableError(
+            f"{describe_round(self._job, self._group, step)}: {self._ended}; local ranks "
+            f"{waiting} got no answer (arrived: {sorted(state.arrived)} of {sorted(self._local)})",
+            job=self._job,
+            group=self._group,
+            step=step,
+            ranks=waiting,
+        )
+        state.notify()
+
+    def _forget_before(self, step: int) -> None:
+        # Keep a few finished steps for local retries; drop older settled ones. A step
+        # still collecting its ranks or with a request in flight stays until it settles.
+        for old in [s for s, st in self._steps.items() if s < step - 8 and st.settled()]:
+            del self._steps[old]

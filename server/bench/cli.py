@@ -1,0 +1,408 @@
+"""``lossreduce bench``: the coordinator against gloo, TCPStore and a Ray actor.
+
+For each world size N, every contender runs R rounds in which N ranks each
+send four named partials and all receive the sums; contenders are interleaved
+round by round in one invocation. Reports p50/p99 round latency, rounds/s,
+server CPU per contribution and the coordinator's ratio to every contender,
+checks issue 7's targets, and writes ``bench.json`` and ``bench.png`` to
+``--out``.
+
+    lossreduce bench --quick
+    lossreduce bench --n 2,4,8,16,64,256 --rounds 200 --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lossreduce.server.bench.contenders import Endpoints
+from lossreduce.server.bench.e2e import run_e2e
+from lossreduce.server.bench.hosts import CONTENDERS
+from lossreduce.server.bench.report import (
+    format_table,
+    ratios,
+    targets,
+    write_json,
+    write_plot,
+)
+from lossreduce.server.bench.run import CpuReader, WorldRun, place, run_world, settle
+from lossreduce.server.bench.servers import CoordinatorProcess, process_cpu_ns, start_store
+from lossreduce.server.bench.stats import ContenderResult
+
+__all__ = ["BenchSettings", "default_max_processes", "main", "run_bench"]
+
+_QUICK_WORLD_SIZES = (2, 8, 64, 256)
+_FULL_WORLD_SIZES = (2, 4, 8, 16, 64, 256)
+_PROCESS_MEMORY_BYTES = 120 * 1024 * 1024
+"""Resident memory budgeted per rank process (a forked torch + grpc interpreter
+with a gloo group, measured about 100 MB) when sizing --max-processes."""
+
+
+def default_max_processes() -> int:
+    """How many one-rank processes this machine holds: bounded by memory, by
+    the open-file limit (a gloo rank keeps a socket to every peer) and at 64."""
+    soft_files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    by_files = int((soft_files - 256) ** 0.5)  # the driver's store sees ~N^2/N sockets per rank
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 8 * 1024**3
+    by_memory = int(available * 0.5) // _PROCESS_MEMORY_BYTES
+    return max(2, min(64, by_files, by_memory))
+
+
+class BenchSettings(BaseModel):
+    """What one ``lossreduce bench`` run measures."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    world_sizes: tuple[int, ...] = Field(
+        default=_FULL_WORLD_SIZES, description="World sizes N to measure, each >= 2."
+    )
+    rounds: int = Field(default=200, ge=1, description="Measured rounds per contender and N.")
+    warmup_rounds: int = Field(
+        default=5, ge=0, description="Rounds run first and not measured (connections, caches)."
+    )
+    contenders: tuple[str, ...] = Field(
+        default=tuple(CONTENDERS),
+        description=f"Contenders to run, a subset of {', '.join(CONTENDERS)}.",
+    )
+    max_processes: int = Field(
+        default=16,
+        ge=1,
+        description="Largest N run with one process per rank; above it ranks are simulated as "
+        "asyncio tasks over --load-processes processes (on 2 cores, more rank processes than "
+        "that measure the scheduler, not the contender).",
+    )
+    gloo_max_processes: int = Field(
+        default_factory=default_max_processes,
+        ge=1,
+        description="Largest N gloo runs at (it needs one process per rank); default: what the "
+        "open-file limit and free memory allow, at most 64. gloo is skipped above it.",
+    )
+    load_processes: int = Field(
+        default=4, ge=1, description="Load processes sharing the ranks when they are simulated."
+    )
+    ray_processes: int = Field(
+        default=4,
+        ge=1,
+        description="Load processes (Ray drivers) sharing the Ray contender's ranks.",
+    )
+    ranks_per_node: int = Field(
+        default=8, ge=1, description="Ranks behind each node-local aggregator (hierarchical)."
+    )
+    hierarchical_nodes: int = Field(
+        default=512,
+        ge=0,
+        description="After the other world sizes, the hierarchical contender alone at "
+        "N = nodes x --ranks-per-node simulated ranks (issue 7: 512 x 8 = 4096); 0 skips it.",
+    )
+    e2e: bool = Field(
+        default=False,
+        description="Also compare a `lossreduce train` step with --normalizer coordinator "
+        "against --normalizer torch (runs training in ABBA order).",
+    )
+    e2e_steps: int = Field(default=30, ge=2, description="Steps per end-to-end training run.")
+    e2e_pairs: int = Field(
+        default=2, ge=1, description="End-to-end runs per normalizer (ABBA order)."
+    )
+    e2e_workers: int = Field(default=2, ge=1, description="Ranks of each end-to-end run.")
+    e2e_skip_steps: int = Field(
+        default=3, ge=0, description="First steps of each end-to-end run left out (warm-up)."
+    )
+    out: Path = Field(default=Path("bench-out"), description="Folder for bench.json and bench.png.")
+    startup_timeout_s: float = Field(
+        default=300.0, gt=0, description="Bound on starting the load processes of one N."
+    )
+
+    @field_validator("world_sizes")
+    @classmethod
+    def _sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value or any(n < 2 for n in value):
+            raise ValueError(f"world sizes {list(value)} must be non-empty and each >= 2")
+        return tuple(sorted(set(value)))
+
+    @model_validator(mode="after")
+    def _e2e_steps(self) -> BenchSettings:
+        if self.e2e_steps <= self.e2e_skip_steps:
+            raise ValueError(
+                f"e2e_steps {self.e2e_steps} must exceed e2e_skip_steps {self.e2e_skip_steps}"
+            )
+        return self
+
+    @field_validator("contenders")
+    @classmethod
+    def _contenders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [c for c in value if c not in CONTENDERS]
+        if unknown or not value:
+            raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+        return tuple(c for c in CONTENDERS if c in value)
+
+
+def _machine() -> dict[str, object]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import grpc
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+class _Ray:
+    """A local Ray cluster with one actor coordinator per world size."""
+
+    def __init__(self) -> None:
+        import ray
+
+        ray.init(
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+        )
+        self.address: str = ray.get_runtime_context().gcs_address
+        self._actors: list[object] = []
+
+    def actor(self, name: str) -> int:
+        from lossreduce.server.bench.ray_contender import start_ray_coordinator
+
+        actor, pid = start_ray_coordinator(name)
+        self._actors.append(actor)
+        return pid
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+def _worlds(settings: BenchSettings) -> list[tuple[int, tuple[str, ...]]]:
+    """Every (N, contenders) to measure: the world sizes, then the hierarchical scale run."""
+    worlds = [(n, settings.contenders) for n in settings.world_sizes]
+    big = settings.hierarchical_nodes * settings.ranks_per_node
+    if (
+        big
+        and "coordinator-hierarchical" in settings.contenders
+        and big not in settings.world_sizes
+    ):
+        worlds.append((big, ("coordinator-hierarchical",)))
+    return worlds
+
+
+class _Servers:
+    """Every contender's server for the whole run."""
+
+    def __init__(self, contenders: Sequence[str]) -> None:
+        self.coordinator = (
+            CoordinatorProcess() if any(c.startswith("coordinator") for c in contenders) else None
+        )
+        self.store = start_store()
+        self.ray = _Ray() if "ray-actor" in contenders else None
+
+    def endpoints(self, n: int, ranks_per_node: int) -> tuple[Endpoints, dict[str, CpuReader]]:
+        readers: dict[str, CpuReader] = {}
+        if self.coordinator is not None:
+            for name in CONTENDERS:
+                if name.startswith("coordinator"):
+                    readers[name] = self.coordinator.cpu_ns
+        actor_name = f"bench-n{n}"
+        if self.ray is not None:
+            readers["ray-actor"] = functools.partial(process_cpu_ns, self.ray.actor(actor_name))
+        endpoints = Endpoints(
+            coordinator=self.coordinator.target if self.coordinator else "",
+            store_host="127.0.0.1",
+            store_port=self.store.port,
+            ray_address=self.ray.address if self.ray else "",
+            ray_actor=actor_name,
+            job=f"bench-n{n}",
+            ranks_per_node=ranks_per_node,
+        )
+        return endpoints, readers
+
+    def stop(self) -> None:
+        if self.ray is not None:
+            self.ray.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+
+
+def run_bench(settings: BenchSettings) -> dict[str, object]:
+    """Run every contender at every N; return the JSON payload (also written)."""
+    servers = _Servers(settings.contenders)
+    results: list[ContenderResult] = []
+    skipped = []
+    try:
+        for n, contenders in _worlds(settings):
+            placement = place(
+                n,
+                contenders,
+                max_processes=settings.max_processes,
+                gloo_max_processes=settings.gloo_max_processes,
+                load_processes=settings.load_processes,
+                ray_processes=settings.ray_processes,
+                ranks_per_node=settings.ranks_per_node,
+            )
+            endpoints, readers = servers.endpoints(n, settings.ranks_per_node)
+            how = (
+                f"ranks simulated as asyncio tasks over at most {settings.load_processes} "
+                "processes per contender"
+                if placement.simulated
+                else "one process per rank"
+            )
+            print(f"N={n}: {placement.processes} load processes ({how})", flush=True)
+            began = time.monotonic()
+            world = run_world(
+                WorldRun(
+                    world_size=n,
+                    placement=placement,
+                    endpoints=endpoints,
+                    rounds=settings.rounds,
+                    warmup_rounds=settings.warmup_rounds,
+                    server_cpu=readers,
+                    startup_timeout_s=settings.startup_timeout_s,
+                )
+            )
+            for r in world:
+                print(
+                    f"  {r.contender:<24} p50 {r.p50_ms:8.3f} ms  p99 {r.p99_ms:8.3f} ms",
+                    flush=True,
+                )
+            print(f"  ({time.monotonic() - began:.1f} s with start-up)", flush=True)
+            results += world
+            skipped += placement.skipped
+            settle(0.5)
+    finally:
+        servers.stop()
+    e2e = None
+    if settings.e2e:
+        # After the servers stopped: training starts its own Ray cluster and coordinator.
+        print("end to end: lossreduce train, --normalizer torch vs coordinator", flush=True)
+        e2e = run_e2e(
+            settings.out,
+            steps=settings.e2e_steps,
+            pairs=settings.e2e_pairs,
+            workers=settings.e2e_workers,
+            skip=settings.e2e_skip_steps,
+            timeout_s=settings.startup_timeout_s + 60.0 * settings.e2e_steps,
+        )
+    big = settings.hierarchical_nodes * settings.ranks_per_node
+    hierarchical = [
+        r for r in results if r.contender == "coordinator-hierarchical" and r.world_size == big
+    ]
+    checks = targets(
+        results,
+        hierarchical_p50_ms=hierarchical[0].p50_ms if hierarchical else None,
+        e2e_ratio=e2e.ratio if e2e is not None else None,
+    )
+    payload: dict[str, object] = {
+        "machine": _machine(),
+        "settings": settings.model_dump(mode="json"),
+        "results": results,
+        "skipped": skipped,
+        "ratios": ratios(results),
+        "targets": checks,
+        "e2e": e2e,
+        "notes": [
+            "latency: from the first rank issuing its contribution to the last rank holding "
+            "the sums (perf_counter_ns across processes); rounds/s = 1 / mean latency",
+            "server CPU: CPU time of the server process over the measured rounds / contributions; "
+            "coordinator = the `lossreduce serve` process, ray-actor = the actor's worker process; "
+            "gloo has no server and the TCPStore server runs inside the bench driver (not measured)",
+            f"ranks run one per process up to N={settings.max_processes}; above that they are "
+            f"simulated as asyncio tasks over {settings.load_processes} processes; gloo always "
+            f"runs one process per rank (up to N={settings.gloo_max_processes}); the Ray "
+            f"contender's ranks share at most {settings.ray_processes} Ray driver processes",
+            f"coordinator-hierarchical: nodes of {settings.ranks_per_node} ranks, each node's ranks "
+            "asyncio tasks next to their node aggregator, nodes spread over "
+            f"{settings.load_processes} load processes; one upstream stream per node; its server "
+            "CPU is per rank (the coordinator itself receives one contribution per node)",
+            "the coordinator runs as shipped: `lossreduce serve` with its journal and metrics on",
+        ],
+    }
+    settings.out.mkdir(parents=True, exist_ok=True)
+    write_json(settings.out / "bench.json", payload)
+    write_plot(settings.out / "bench.png", results, f"lossreduce bench, {os.cpu_count()} CPUs")
+    print(format_table(results, skipped))
+    for t in checks:
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[t.met]
+        print(f"target {t.name}: {verdict} ({t.detail})")
+    return payload
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--n {text!r} must be comma-separated integers") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    fields = BenchSettings.model_fields
+    p = argparse.ArgumentParser(prog="lossreduce bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=_sizes, dest="world_sizes", help=fields["world_sizes"].description)
+    p.add_argument("--rounds", type=int, help=fields["rounds"].description)
+    p.add_argument("--warmup-rounds", type=int, help=fields["warmup_rounds"].description)
+    p.add_argument(
+        "--contenders",
+        type=lambda s: tuple(c for c in s.split(",") if c),
+        help=fields["contenders"].description,
+    )
+    p.add_argument("--max-processes", type=int, help=fields["max_processes"].description)
+    p.add_argument("--gloo-max-processes", type=int, help=fields["gloo_max_processes"].description)
+    p.add_argument("--load-processes", type=int, help=fields["load_processes"].description)
+    p.add_argument("--ray-processes", type=int, help=fields["ray_processes"].description)
+    p.add_argument("--ranks-per-node", type=int, help=fields["ranks_per_node"].description)
+    p.add_argument("--hierarchical-nodes", type=int, help=fields["hierarchical_nodes"].description)
+    p.add_argument("--e2e", action="store_true", default=None, help=fields["e2e"].description)
+    p.add_argument("--e2e-steps", type=int, help=fields["e2e_steps"].description)
+    p.add_argument("--e2e-pairs", type=int, help=fields["e2e_pairs"].description)
+    p.add_argument("--e2e-workers", type=int, help=fields["e2e_workers"].description)
+    p.add_argument("--out", type=Path, help=fields["out"].description)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"Few rounds (30) at N={','.join(map(str, _QUICK_WORLD_SIZES))} unless --n/--rounds "
+        "say otherwise; finishes in under 2 minutes.",
+    )
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "quick"}
+    if args.quick:
+        given.setdefault("world_sizes", _QUICK_WORLD_SIZES)
+        given.setdefault("rounds", 30)
+        given.setdefault("warmup_rounds", 3)
+    try:
+        settings = BenchSettings.model_validate(given)
+    except ValueError as err:
+        print(f"lossreduce bench: {err}", file=sys.stderr)
+        return 2
+    run_bench(settings)
+    return 0

@@ -1,0 +1,299 @@
+"""The node aggregator's deadline and its upstream stream: every rank of a round
+gets the coordinator's answer, whatever the node's local deadline says.
+
+The node's ``timeout_s`` only bounds how long it waits for its own stragglers
+before it hands the coordinator what it has; once a round is upstream, only
+the coordinator's answer (or the loss of the stream) decides it. The first
+tests run nodes against a real coordinator whose round timeout is far longer
+than the nodes' (or, for the straggler that never comes, short); the rest
+drive the aggregator over a scripted in-memory stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from lossreduce.client.aggregator import NodeAggregator
+from lossreduce.errors import CoordinatorUnavailableError, RoundTimeoutError
+from lossreduce.v2 import coordinator_pb2 as pb
+
+CONTRACT = {"n": "mean:token_mean"}
+NODE_TIMEOUT_S = 0.05
+"""The nodes' local deadline: far below the coordinator's round timeout."""
+PAST_NODE_DEADLINE_S = 0.3
+"""A sleep that a timer of ``NODE_TIMEOUT_S`` scheduled before it always ends within."""
+HANG_GUARD_S = 60.0
+"""Only so that a regression fails instead of hanging; never reached when correct."""
+
+T = TypeVar("T")
+
+
+def run(main: Callable[[], Awaitable[T]]) -> T:
+    async def guarded() -> T:
+        return await asyncio.wait_for(main(), HANG_GUARD_S)
+
+    return asyncio.run(guarded())
+
+
+async def two_nodes(
+    target: str, body: Callable[[NodeAggregator, NodeAggregator], Awaitable[T]]
+) -> T:
+    """Node A holds ranks 0 and 1, node B ranks 2 and 3, of a world of 4."""
+    channels = [grpc.aio.insecure_channel(target) for _ in range(2)]
+    nodes = [
+        NodeAggregator(ch, job="deadline", group="actor", local_ranks=r, timeout_s=NODE_TIMEOUT_S)
+        for ch, r in zip(channels, [(0, 1), (2, 3)], strict=True)
+    ]
+    try:
+        for node in nodes:
+            node.start()
+        return await body(nodes[0], nodes[1])
+    finally:
+        for node in nodes:
+            await node.close()
+        for ch in channels:
+            await ch.close()
+
+
+def contribute(node: NodeAggregator, rank: int, step: int = 1) -> asyncio.Task[dict[str, float]]:
+    return asyncio.create_task(node.reduce(rank, 4, step, {"n": 1.0}, CONTRACT))
+
+
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 60.0}], indirect=True)
+def test_a_round_sent_upstream_is_decided_by_the_coordinator_not_the_node_deadline(coordinator):
+    """Node A sends its round; its deadline passes; node B completes the round."""
+
+    async def body(a: NodeAggregator, b: NodeAggregator) -> list[Any]:
+        first = [contribute(a, 0), contribute(a, 1)]
+        await asyncio.sleep(PAST_NODE_DEADLINE_S)
+        rest = [contribute(b, 2), contribute(b, 3)]
+        return await asyncio.gather(*first, *rest, return_exceptions=True)
+
+    results = run(lambda: two_nodes(coordinator.target, body))
+    assert results == [{"n": 4.0}] * 4, results
+
+
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 60.0}], indirect=True)
+def test_a_local_straggler_after_the_node_deadline_still_joins_the_round(coordinator):
+    """Rank 0 waits past node A's deadline for rank 1; the round still completes
+    for every rank (node A hands rank 0 upstream, then rank 1 when it comes)."""
+
+    async def body(a: NodeAggregator, b: NodeAggregator) -> list[Any]:
+        early = contribute(a, 0)
+        await asyncio.sleep(PAST_NODE_DEADLINE_S)
+        rest = [contribute(b, 2), contribute(b, 3)]
+        await asyncio.sleep(PAST_NODE_DEADLINE_S)
+        late = contribute(a, 1)
+        return await asyncio.gather(early, late, *rest, return_exceptions=True)
+
+    results = run(lambda: two_nodes(coordinator.target, body))
+    assert results == [{"n": 4.0}] * 4, results
+
+
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 0.5}], indirect=True)
+def test_a_local_rank_that_never_comes_gets_every_rank_the_coordinators_timeout(coordinator):
+    """Rank 1 never arrives: node A's rank 0 gets the same RoundTimeoutError,
+    naming rank 1 only, as node B's ranks (not a node-local error of its own)."""
+
+    async def body(a: NodeAggregator, b: NodeAggregator) -> list[Any]:
+        tasks = [contribute(a, 0), contribute(b, 2), contribute(b, 3)]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = run(lambda: two_nodes(coordinator.target, body))
+    assert all(isinstance(r, RoundTimeoutError) for r in results), results
+    assert [r.missing_ranks for r in results] == [(1,)] * 3
+    assert len({str(r) for r in results}) == 1, results
+    assert "job 'deadline' group 'actor' step 1" in str(results[0])
+
+
+# --- over a scripted stream --------------------------------------------------------------
+
+
+class ScriptedCall:
+    """A ``ReduceStream`` call whose answers the test hands out."""
+
+    def __init__(self) -> None:
+        self.written: list[pb.ReduceRequest] = []
+        self.answers: asyncio.Queue[pb.ReduceResponse | BaseException | None] = asyncio.Queue()
+        self.closed = False
+        self.answered = 0
+
+    async def write(self, request: pb.ReduceRequest) -> None:
+        self.written.append(request)
+
+    async def done_writing(self) -> None:
+        self.closed = True
+
+    async def read(self) -> Any:
+        item = await self.answers.get()
+        if item is None:
+            return grpc.aio.EOF
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def answer_ok(self, count: int) -> None:
+        """Answer the next ``count`` unanswered requests with their own sums."""
+        for request in self.written[self.answered : self.answered + count]:
+            self.answered += 1
+            self.answers.put_nowait(
+                pb.ReduceResponse(
+                    round=request.round,
+                    normalizers=[
+                        pb.TermNormalizer(term=p.term, value=p.value) for p in request.partials
+                    ],
+                )
+            )
+
+
+class ScriptedChannel:
+    """Just enough of a ``grpc.aio.Channel`` for the generated stub."""
+
+    def __init__(self, call: ScriptedCall) -> None:
+        self.call = call
+
+    def stream_stream(self, *args: object, **kwargs: object) -> Callable[[], ScriptedCall]:
+        return lambda: self.call
+
+    def unary_unary(self, *args: object, **kwargs: object) -> object:
+        return None
+
+
+async def scripted_node(timeout_s: float = 3600.0) -> tuple[NodeAggregator, ScriptedCall]:
+    call = ScriptedCall()
+    channel: Any = ScriptedChannel(call)
+    node = NodeAggregator(channel, job="j", group="g", local_ranks=(0, 1), timeout_s=timeout_s)
+    return node.start(), call
+
+
+async def settle() -> None:
+    """Let every ready task run until none is left ready."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def both(node: NodeAggregator, step: int) -> list[asyncio.Task[dict[str, float]]]:
+    return [
+        asyncio.create_task(node.reduce(r, 2, step, {"n": float(step + 1)}, CONTRACT))
+        for r in (0, 1)
+    ]
+
+
+def steps_written(call: ScriptedCall) -> Sequence[int]:
+    return [r.round.step for r in call.written]
+
+
+def test_a_late_old_step_in_flight_survives_newer_steps_completing():
+    """Steps 1..9 go upstream, then step 0 (its ranks came last); their answers
+    come back in that order. Step 9's completion must not drop step 0."""
+
+    async def main() -> list[Any]:
+        node, call = await scripted_node()
+        tasks = {step: both(node, step) for step in range(1, 10)}
+        await settle()
+        tasks[0] = both(node, 0)
+        await settle()
+        assert steps_written(call) == [*range(1, 10), 0]
+        call.answer_ok(10)
+        results = await asyncio.gather(*(t for ts in tasks.values() for t in ts))
+        # The stream still reads answers after that.
+        tasks[10] = both(node, 10)
+        await settle()
+        call.answer_ok(1)
+        results += await asyncio.gather(*tasks[10])
+        await node.close()
+        return results
+
+    results = run(main)
+    expected = [{"n": 2.0 * (s + 1)} for s in [*range(1, 10), 0, 10] for _ in range(2)]
+    assert results == expected
+
+
+def test_a_step_still_collecting_survives_newer_steps_completing():
+    """Rank 0 of step 0 arrives, steps 1..9 complete, then rank 1 of step 0."""
+
+    async def main() -> list[Any]:
+        node, call = await scripted_node()
+        early = asyncio.create_task(node.reduce(0, 2, 0, {"n": 1.0}, CONTRACT))
+        for step in range(1, 10):
+            tasks = both(node, step)
+            await settle()
+            call.answer_ok(1)
+            await asyncio.gather(*tasks)
+        late = asyncio.create_task(node.reduce(1, 2, 0, {"n": 1.0}, CONTRACT))
+        await settle()
+        assert steps_written(call) == [*range(1, 10), 0]
+        call.answer_ok(1)
+        results = list(await asyncio.gather(early, late))
+        await node.close()
+        return results
+
+    assert run(main) == [{"n": 2.0}] * 2
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param(None, id="eof"),
+        pytest.param(
+            grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
+            ),
+            id="rpc-error",
+        ),
+    ],
+)
+def test_the_stream_ending_fails_every_waiting_step_at_once(end):
+    """The coordinator ends the stream with steps upstream and one collecting: each
+    waiting rank gets CoordinatorUnavailableError naming its step, without waiting
+    for the node's (hour-long) deadline; so does a rank of a later step."""
+
+    async def main() -> list[Any]:
+        node, call = await scripted_node(timeout_s=3600.0)
+        upstream = both(node, 1)
+        collecting = asyncio.create_task(node.reduce(0, 2, 2, {"n": 1.0}, CONTRACT))
+        await settle()
+        call.answers.put_nowait(end)
+        waiting = await asyncio.gather(upstream[0], upstream[1], collecting, return_exceptions=True)
+        after = await asyncio.gather(*both(node, 3), return_exceptions=True)
+        await node.close()
+        return [*waiting, *after]
+
+    results = run(main)
+    assert all(isinstance(r, CoordinatorUnavailableError) for r in results), results
+    assert [r.step for r in results] == [1, 1, 2, 3, 3]
+    assert "job 'j' group 'g' step 3" in str(results[-1])
+    assert "coordinator" in str(results[0])
+
+
+def test_close_fails_the_ranks_still_waiting():
+    async def main() -> list[Any]:
+        node, _ = await scripted_node(timeout_s=3600.0)
+        upstream = both(node, 1)
+        await settle()
+        await node.close()
+        return await asyncio.gather(*upstream, return_exceptions=True)
+
+    results = run(main)
+    assert all(isinstance(r, CoordinatorUnavailableError) for r in results), results
+    assert "closed" in str(results[0])
+
+
+def test_an_answer_to_no_request_ends_the_stream_instead_of_the_reader_dying():
+    async def main() -> list[Any]:
+        node, call = await scripted_node(timeout_s=3600.0)
+        call.answers.put_nowait(pb.ReduceResponse())
+        await settle()
+        results = await asyncio.gather(*both(node, 1), return_exceptions=True)
+        await node.close()
+        return results
+
+    results = run(main)
+    assert all(isinstance(r, CoordinatorUnavailableError) for r in results), results
+    assert "answered a request this node never sent" in str(results[0])
+    assert "job 'j' group 'g' step 1" in str(results[0])

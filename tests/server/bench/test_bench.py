@@ -1,0 +1,268 @@
+"""`lossreduce bench`: the pure statistics, placement and report, plus a smoke run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lossreduce.server.bench.cli import BenchSettings, main
+from lossreduce.server.bench.e2e import abba, step_seconds
+from lossreduce.server.bench.hosts import CONTENDERS, split_ranks
+from lossreduce.server.bench.report import format_table, ratios, targets
+from lossreduce.server.bench.run import place
+from lossreduce.server.bench.stats import percentile, round_latency_ns, summarize
+from lossreduce.server.bench.workload import (
+    TERMS,
+    WrongSumError,
+    check_sums,
+    expected_sums,
+    partials_for,
+)
+
+
+@given(st.lists(st.floats(0, 1e6), min_size=1, max_size=200), st.floats(0, 100))
+def test_percentile_matches_numpy(values, q):
+    got = percentile(sorted(values), q)
+    assert math.isclose(got, float(np.percentile(values, q)), rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_percentile_rejects_empty_and_out_of_range():
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match="q=101"):
+        percentile([1.0], 101)
+
+
+def test_round_latency_spans_first_start_to_last_end():
+    assert round_latency_ns([(10, 50), (5, 40), (20, 70)]) == 65
+
+
+def test_summarize_reports_percentiles_rate_and_cpu_per_contribution():
+    result = summarize(
+        "x",
+        8,
+        [1_000_000, 3_000_000, 2_000_000],
+        server_cpu_ns=2_400_000,
+        contributions_per_round=8,
+        rank_processes=8,
+        simulated=False,
+    )
+    assert result.p50_ms == 2.0
+    assert result.mean_ms == 2.0
+    assert result.rounds_per_s == 500.0
+    assert result.server_cpu_us_per_contribution == 100.0  # 2400 us / (3 rounds x 8)
+    assert (
+        summarize(
+            "y",
+            2,
+            [1],
+            server_cpu_ns=None,
+            contributions_per_round=2,
+            rank_processes=1,
+            simulated=True,
+        ).server_cpu_us_per_contribution
+        is None
+    )
+
+
+@given(st.integers(1, 5000), st.integers(1, 64))
+def test_split_ranks_covers_every_rank_once_in_near_equal_blocks(world_size, processes):
+    blocks = split_ranks(world_size, processes)
+    assert [r for block in blocks for r in block] == list(range(world_size))
+    sizes = {len(b) for b in blocks}
+    assert max(sizes) - min(sizes) <= 1
+    assert len(blocks) == min(world_size, processes)
+
+
+def test_place_simulates_above_max_processes_and_skips_gloo_beyond_its_limit():
+    small = place(
+        8,
+        list(CONTENDERS),
+        max_processes=16,
+        gloo_max_processes=64,
+        load_processes=4,
+        ray_processes=4,
+        ranks_per_node=8,
+    )
+    assert not small.simulated
+    assert small.processes == 8
+    assert small.ranks_by_contender["coordinator-stream"] == [(r,) for r in range(8)]
+    assert [b for b in small.ranks_by_contender["ray-actor"] if b] == split_ranks(8, 4)
+
+    middle = place(
+        64,
+        list(CONTENDERS),
+        max_processes=16,
+        gloo_max_processes=64,
+        load_processes=4,
+        ray_processes=4,
+        ranks_per_node=8,
+    )
+    assert middle.simulated
+    assert middle.processes == 64  # gloo still gets a process per rank
+    assert [b for b in middle.ranks_by_contender["tcpstore"] if b] == split_ranks(64, 4)
+    assert middle.ranks_by_contender["gloo"] == [(r,) for r in range(64)]
+
+    big = place(
+        256,
+        list(CONTENDERS),
+        max_processes=16,
+        gloo_max_processes=64,
+        load_processes=4,
+        ray_processes=4,
+        ranks_per_node=8,
+    )
+    assert big.processes == 4
+    assert "gloo" not in big.ranks_by_contender
+    assert [s.contender for s in big.skipped] == ["gloo"]
+    assert "N=256 exceeds the 64 processes" in big.skipped[0].reason
+
+
+def test_place_keeps_hierarchical_nodes_whole_and_skips_partial_nodes():
+    placed = place(
+        64,
+        ["coordinator-hierarchical", "coordinator-stream"],
+        max_processes=16,
+        gloo_max_processes=64,
+        load_processes=3,
+        ray_processes=4,
+        ranks_per_node=8,
+    )
+    blocks = [b for b in placed.ranks_by_contender["coordinator-hierarchical"] if b]
+    assert [r for b in blocks for r in b] == list(range(64))
+    assert all(len(b) % 8 == 0 and b[0] % 8 == 0 for b in blocks)
+    partial = place(
+        12,
+        ["coordinator-hierarchical"],
+        max_processes=16,
+        gloo_max_processes=64,
+        load_processes=3,
+        ray_processes=4,
+        ranks_per_node=8,
+    )
+    assert [s.contender for s in partial.skipped] == ["coordinator-hierarchical"]
+
+
+def _result(contender, n, p50, cpu=None):
+    return summarize(
+        contender,
+        n,
+        [int(p50 * 1e6)],
+        server_cpu_ns=None if cpu is None else int(cpu * 1e3 * n),
+        contributions_per_round=n,
+        rank_processes=n,
+        simulated=False,
+    )
+
+
+def test_ratios_and_targets_compare_the_stream_to_each_contender():
+    results = [
+        _result("coordinator-stream", 8, 3.0),
+        _result("tcpstore", 8, 1.5),
+        _result("gloo", 8, 8.0),
+        _result("coordinator-stream", 256, 18.0, cpu=50.0),
+        _result("tcpstore", 256, 100.0),
+    ]
+    rows = {(r["world_size"], r["contender"]): r["p50_ratio"] for r in ratios(results)}
+    assert rows[(8, "tcpstore")] == 2.0
+    assert rows[(8, "gloo")] == 3.0 / 8.0
+    by_name = {t.name: t for t in targets(results)}
+    assert by_name["N=8: stream p50 <= 1.5x TCPStore p50"].met is False
+    assert by_name["N>=4: stream p50 <= 0.5x gloo p50"].met is True
+    assert by_name["N>=16: stream p50 <= TCPStore p50"].met is True
+    assert by_name["N=256: server CPU <= 60 us per contribution"].met is True
+    assert by_name["N=256: stream p50 <= 20 ms"].met is True
+    assert by_name["N=64: stream >= 5x faster than the Ray actor"].met is None
+    table = format_table(results, [])
+    assert "| 8 | tcpstore | 1.500 |" in table
+
+
+def test_workload_sums_are_exact_and_checked():
+    expected = expected_sums(5, 3)
+    for t in range(len(TERMS)):
+        assert expected[t] == math.fsum(partials_for(r, 3)[t] for r in range(5))
+    check_sums("c", 0, 3, expected, expected, exact=True)
+    off = [expected[0] + 1e-12 * expected[0], *expected[1:]]
+    check_sums("c", 0, 3, off, expected, exact=False)
+    with pytest.raises(WrongSumError, match=r"c: rank 2 step 3 term 'tokens'"):
+        check_sums("c", 2, 3, off, expected, exact=True)
+
+
+def test_settings_reject_unknown_contenders_and_tiny_worlds():
+    with pytest.raises(ValueError, match="unknown contenders"):
+        BenchSettings(contenders=("mpi",))
+    with pytest.raises(ValueError, match=">= 2"):
+        BenchSettings(world_sizes=(1, 4))
+    assert main(["--n", "1"]) == 2
+
+
+def test_quick_bench_smoke(tmp_path: Path):
+    """Every contender, tiny N, through the console script: sums checked by
+    every load process, a JSON with a result per contender and N, a plot."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lossreduce.cli",
+            "bench",
+            "--quick",
+            "--n",
+            "2,4",
+            "--rounds",
+            "5",
+            "--warmup-rounds",
+            "1",
+            "--ray-processes",
+            "1",
+            "--ranks-per-node",
+            "2",
+            "--hierarchical-nodes",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((out / "bench.json").read_text())
+    measured = {(r["contender"], r["world_size"]) for r in payload["results"]}
+    assert measured == {(c, n) for c in CONTENDERS for n in (2, 4)} | {
+        ("coordinator-hierarchical", 6)
+    }
+    assert all(r["rounds"] == 5 and r["p50_ms"] > 0 for r in payload["results"])
+    stream = [r for r in payload["results"] if r["contender"] == "coordinator-stream"]
+    assert all(r["server_cpu_us_per_contribution"] > 0 for r in stream)
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "coordinator-stream" in proc.stdout
+
+
+def test_e2e_runs_alternate_abba_and_skip_warmup_steps(tmp_path: Path):
+    assert abba(2) == ["torch", "coordinator", "coordinator", "torch"]
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": i, "step_seconds": 0.1 * (i + 1), "round_latency_s": 0.01, "skipped": i == 3}
+        for i in range(5)
+    ]
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    seconds, latencies = step_seconds(metrics, skip=1)
+    assert seconds == [0.2, 0.30000000000000004, 0.5]  # step 0 warm-up, step 3 skipped
+    assert latencies == [0.01] * 3
+
+
+def test_e2e_settings_need_steps_beyond_the_warmup():
+    with pytest.raises(ValueError, match="must exceed e2e_skip_steps"):
+        BenchSettings(e2e_steps=3, e2e_skip_steps=3)
