@@ -32,11 +32,11 @@ import functools
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
+from lossreduce.contribution import Contribution
 from lossreduce.errors import (
     ConflictingContributionError,
     CoordinatorUnavailableError,
@@ -49,30 +49,7 @@ from lossreduce.rules import check_partial, check_term_name
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["NodeAggregator", "RankContribution", "node_requests"]
-
-
-@dataclass(frozen=True, slots=True)
-class RankContribution:
-    """One local rank's contribution to one round, as it would send it alone."""
-
-    rank: int
-    world_size: int
-    terms: tuple[str, ...]
-    values: tuple[float, ...]
-    contracts: tuple[str, ...]
-
-    def request(self, key: pb.RoundKey) -> pb.ReduceRequest:
-        """This rank's own single-rank request (the fallback path)."""
-        return pb.ReduceRequest(
-            round=key,
-            rank=self.rank,
-            world_size=self.world_size,
-            partials=[
-                pb.TermPartial(term=t, value=v, contract=c)
-                for t, v, c in zip(self.terms, self.values, self.contracts, strict=True)
-            ],
-        )
+__all__ = ["NodeAggregator", "node_requests"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,14 +58,14 @@ def _terms_ok(terms: tuple[str, ...]) -> bool:
     return bool(terms) and len(set(terms)) == len(terms) and not any(map(check_term_name, terms))
 
 
-def _valid_alone(c: RankContribution) -> bool:
+def _valid_alone(c: Contribution) -> bool:
     if not 0 <= c.rank < c.world_size or not _terms_ok(c.terms):
         return False
     return all(check_partial(v) is None for v in c.values)
 
 
 def node_requests(
-    key: pb.RoundKey, contributions: Sequence[RankContribution]
+    key: pb.RoundKey, contributions: Sequence[Contribution]
 ) -> list[pb.ReduceRequest]:
     """What a node sends upstream for one round: one aggregated request covering
     every local rank, or, when any contribution is invalid or disagrees with
@@ -104,32 +81,28 @@ def node_requests(
     distinct = len({c.rank for c in ordered}) == len(ordered)
     if not (agree and distinct and all(_valid_alone(c) for c in ordered)):
         return [c.request(key) for c in ordered]
-    partials = []
-    for index, (term, contract) in enumerate(zip(first.terms, first.contracts, strict=True)):
+    expansions = []
+    for index in range(len(first.terms)):
         column = [c.values[index] for c in ordered]  # [local ranks], in rank order
         try:
-            expansion = exact_expansion(column)
+            expansions.append(exact_expansion(column))
         except ExpansionOverflowError:
             # The coordinator reports an overflowing normalizer for the whole round.
             return [c.request(key) for c in ordered]
-        partials.append(
-            pb.TermPartial(
-                term=term,
-                value=math.fsum(expansion),  # the rounded sum; ``expansion`` is what is summed
-                contract=contract,
-                expansion=expansion,
-                zero_ranks=column.count(0.0),
-            )
-        )
-    return [
-        pb.ReduceRequest(
-            round=key,
-            rank=first.rank,
-            world_size=first.world_size,
-            partials=partials,
-            covered_ranks=[c.rank for c in ordered],
-        )
-    ]
+    aggregated = Contribution(
+        rank=first.rank,
+        world_size=first.world_size,
+        terms=first.terms,
+        # The rounded sums; the expansions are what the coordinator sums.
+        values=tuple(math.fsum(e) for e in expansions),
+        contracts=first.contracts,
+        covers=tuple(c.rank for c in ordered),
+        expansions=tuple(expansions),
+        zero_ranks=tuple(
+            [sum(1 for c in ordered if c.values[i] == 0.0) for i in range(len(first.terms))]
+        ),
+    )
+    return [aggregated.request(key)]
 
 
 class _Step:
@@ -139,7 +112,7 @@ class _Step:
     __slots__ = ("answers", "arrived", "failure", "flushing", "sent", "timer", "updated")
 
     def __init__(self) -> None:
-        self.arrived: dict[int, RankContribution] = {}
+        self.arrived: dict[int, Contribution] = {}
         self.sent: set[int] = set()
         """Local ranks whose contribution went upstream (each goes once)."""
         self.answers: dict[int, _Answer] = {}
@@ -247,7 +220,7 @@ class NodeAggregator:
         """Rank ``rank``'s contribution to ``step``; returns the global normalizers
         once the round completes, or raises the round's :mod:`lossreduce.errors` error."""
         terms = tuple(partials)
-        mine = RankContribution(
+        mine = Contribution(
             rank=rank,
             world_size=world_size,
             terms=terms,
@@ -259,7 +232,7 @@ class NodeAggregator:
         return self._answer(step, rank, state)
 
     async def reduce_node(
-        self, step: int, contributions: Sequence[RankContribution]
+        self, step: int, contributions: Sequence[Contribution]
     ) -> list[dict[str, float] | LossReduceError]:
         """Every local rank's contribution at once (a node agent that already holds
         them); each rank's normalizers or error, in the order given."""
@@ -273,7 +246,7 @@ class NodeAggregator:
                 results.append(err)
         return results
 
-    async def _arrive(self, step: int, contributions: Sequence[RankContribution]) -> _Step:
+    async def _arrive(self, step: int, contributions: Sequence[Contribution]) -> _Step:
         state = self._steps.get(step)
         if state is None:
             state = self._steps[step] = _Step()
@@ -297,9 +270,7 @@ class NodeAggregator:
             # shield: a cancelled rank must not cancel the wake-up its node peers wait for.
             await asyncio.shield(state.updated)
 
-    def _check_local(
-        self, step: int, c: RankContribution, previous: RankContribution | None
-    ) -> None:
+    def _check_local(self, step: int, c: Contribution, previous: Contribution | None) -> None:
         where = describe_round(self._job, self._group, step)
         if c.rank not in self._local:
             raise InvalidPartialError(

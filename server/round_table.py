@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
+from lossreduce.contribution import Contribution
 from lossreduce.errors import (
     ConflictingContributionError,
     ContractMismatchError,
@@ -55,30 +56,6 @@ from .outcomes import (
 from .settings import CoordinatorSettings
 
 __all__ = ["Admission", "Contribution", "Round", "RoundTable"]
-
-
-@dataclass(frozen=True, slots=True)
-class Contribution:
-    """One rank's request for one round: its partial per term, in its own order."""
-
-    rank: int
-    world_size: int
-    terms: tuple[str, ...]
-    values: tuple[float, ...]
-    contracts: tuple[str, ...]
-    covers: tuple[int, ...] = ()
-    """Hierarchical aggregation: every rank this one contribution counts for (strictly
-    increasing, ``rank`` first); empty for a single rank's contribution."""
-    expansions: tuple[tuple[float, ...], ...] = ()
-    """Aggregated only, per term: the exact sum of the covered ranks' partials as a
-    non-overlapping expansion (``values`` holds the rounded sums)."""
-    zero_ranks: tuple[int, ...] = ()
-    """Aggregated only, per term: how many covered ranks sent 0."""
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """The ranks this contribution counts for."""
-        return self.covers or (self.rank,)
 
 
 class Round:

@@ -27,7 +27,7 @@ from .metrics import CoordinatorMetrics
 from .outcomes import OutcomeKind, RoundKey
 from .round_table import Admission, Contribution, Round, RoundTable
 
-__all__ = ["CoordinatorServicer", "contribution_from_request", "round_status"]
+__all__ = ["CoordinatorServicer", "round_status"]
 
 _CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -146,22 +146,6 @@ def round_status(rnd: Round, now: float) -> pb.RoundStatus:
     return status
 
 
-def contribution_from_request(request: pb.ReduceRequest) -> Contribution:
-    """The round table's view of one request (no validation: the table decides)."""
-    parts = request.partials
-    covers = tuple(request.covered_ranks)  # hierarchical aggregation; () for one rank
-    return Contribution(
-        rank=request.rank,
-        world_size=request.world_size,
-        terms=tuple([p.term for p in parts]),
-        values=tuple([p.value for p in parts]),
-        contracts=tuple([p.contract for p in parts]),
-        covers=covers,
-        expansions=tuple([tuple(p.expansion) for p in parts]) if covers else (),
-        zero_ranks=tuple([p.zero_ranks for p in parts]) if covers else (),
-    )
-
-
 class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore[misc]
     """``lossreduce.v2.ReductionCoordinator`` over one :class:`RoundTable`."""
 
@@ -182,7 +166,7 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
     # -- rounds -----------------------------------------------------------------
 
     def _admit(self, request: pb.ReduceRequest) -> tuple[Contribution, Admission]:
-        c = contribution_from_request(request)
+        c = Contribution.from_request(request)
         r = request.round
         admission = self._table.contribute(RoundKey(r.job, r.group, r.step), c, self._clock())
         rnd = admission.round

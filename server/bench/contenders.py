@@ -23,7 +23,8 @@ from typing import Protocol
 import grpc
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from lossreduce.client.aggregator import NodeAggregator, RankContribution
+from lossreduce.client.aggregator import NodeAggregator
+from lossreduce.contribution import Contribution
 from lossreduce.server.bench.workload import CONTRACT, TERMS, partials_for
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
@@ -220,7 +221,7 @@ class HierarchicalRanks:
             node.reduce_node(
                 step,
                 [
-                    RankContribution(
+                    Contribution(
                         rank, self._world_size, TERMS, partials_for(rank, step), self._contracts
                     )
                     for rank in node_ranks

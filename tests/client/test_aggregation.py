@@ -14,16 +14,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossreduce.client.aggregator import NodeAggregator, RankContribution, node_requests
+from lossreduce.client.aggregator import NodeAggregator, node_requests
 from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
+from lossreduce.contribution import Contribution
 from lossreduce.errors import (
     ConflictingContributionError,
     InvalidPartialError,
     RoundAbortedError,
 )
 from lossreduce.server.outcomes import Outcome, OutcomeKind, RoundKey
-from lossreduce.server.round_table import Contribution, Round, RoundTable
-from lossreduce.server.servicer import contribution_from_request
+from lossreduce.server.round_table import Round, RoundTable
 from lossreduce.server.settings import CoordinatorSettings
 from lossreduce.v2 import coordinator_pb2 as pb
 
@@ -70,13 +70,13 @@ def test_expansion_overflow_is_reported():
 def aggregate(ranks, values_by_rank, world):
     key = pb.RoundKey(job="job", group="actor", step=1)
     contributions = [
-        RankContribution(r, world, TERMS, tuple(values_by_rank[r]), CONTRACTS) for r in ranks
+        Contribution(r, world, TERMS, tuple(values_by_rank[r]), CONTRACTS) for r in ranks
     ]
     (request,) = node_requests(key, contributions)
     return request
 
 
-as_contribution = contribution_from_request
+as_contribution = Contribution.from_request
 
 
 def single(rank, world, values):
@@ -179,9 +179,9 @@ def test_malformed_aggregate_is_invalid_and_aborts_the_round(change, match):
 
 def test_node_requests_fall_back_to_every_rank_when_one_is_invalid_or_disagrees():
     key = pb.RoundKey(job="job", group="actor", step=1)
-    good = [RankContribution(r, 8, TERMS, (1.0, 2.0), CONTRACTS) for r in (4, 5)]
-    nan = RankContribution(6, 8, TERMS, (math.nan, 2.0), CONTRACTS)
-    other = RankContribution(6, 8, TERMS, (1.0, 2.0), ("sum:token_mean", "other"))
+    good = [Contribution(r, 8, TERMS, (1.0, 2.0), CONTRACTS) for r in (4, 5)]
+    nan = Contribution(6, 8, TERMS, (math.nan, 2.0), CONTRACTS)
+    other = Contribution(6, 8, TERMS, (1.0, 2.0), ("sum:token_mean", "other"))
     for odd in (nan, other):
         requests = node_requests(key, [*good, odd])
         assert [r.rank for r in requests] == [4, 5, 6]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lossreduce.client.aggregator import RankContribution, node_requests
+from lossreduce.client.aggregator import node_requests
 from lossreduce.errors import (
     ConflictingContributionError,
     ContractMismatchError,
@@ -35,7 +35,6 @@ from lossreduce.server import (
     RoundKey,
     RoundTable,
 )
-from lossreduce.server.servicer import contribution_from_request
 from lossreduce.v2 import coordinator_pb2 as pb
 
 KEY = RoundKey("job-a", "actor", 7)
@@ -654,9 +653,9 @@ def test_after_a_restart_aggregated_contributions_are_checked_like_single_ranks(
 
     def node(ranks: list[int], value: float) -> Contribution:
         (request,) = node_requests(
-            key, [RankContribution(r, 4, terms, (value,), contracts) for r in ranks]
+            key, [Contribution(r, 4, terms, (value,), contracts) for r in ranks]
         )
-        return contribution_from_request(request)
+        return Contribution.from_request(request)
 
     first = node([0, 1, 2], 1.0)
     restarted, store = _restart_after((first, 0.0), (contribution(3, 4, tok=2.0), 0.0))

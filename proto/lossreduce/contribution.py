@@ -1,0 +1,92 @@
+"""One contribution to one round, as both sides of the wire see it.
+
+A *contribution* is what one ``ReduceRequest`` carries: a rank's partial per
+term (or, from a node aggregator, the exact sums of several ranks). The
+client's node aggregator builds them, the coordinator's round table judges
+them; both use this one model and its two conversions to and from the wire
+(:meth:`Contribution.from_request`, :meth:`Contribution.request`), so a
+request means the same thing on both sides. Nothing here validates: the
+rules are in :mod:`lossreduce.rules`, and the round table decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lossreduce.v2 import coordinator_pb2 as pb
+
+__all__ = ["Contribution"]
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One request for one round: a partial per term, in the sender's own order."""
+
+    rank: int
+    world_size: int
+    terms: tuple[str, ...]
+    values: tuple[float, ...]
+    contracts: tuple[str, ...]
+    covers: tuple[int, ...] = ()
+    """Hierarchical aggregation: every rank this one contribution counts for (strictly
+    increasing, ``rank`` first); empty for a single rank's contribution."""
+    expansions: tuple[tuple[float, ...], ...] = ()
+    """Aggregated only, per term: the exact sum of the covered ranks' partials as a
+    non-overlapping expansion (``values`` holds the rounded sums)."""
+    zero_ranks: tuple[int, ...] = ()
+    """Aggregated only, per term: how many covered ranks sent 0."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks this contribution counts for."""
+        return self.covers or (self.rank,)
+
+    @classmethod
+    def from_request(cls, request: pb.ReduceRequest) -> Contribution:
+        """The contribution a request carries (its round key travels beside it)."""
+        parts = request.partials
+        covers = tuple(request.covered_ranks)  # hierarchical aggregation; () for one rank
+        terms: list[str] = []
+        values: list[float] = []
+        contracts: list[str] = []
+        for p in parts:  # one pass over the repeated field
+            terms.append(p.term)
+            values.append(p.value)
+            contracts.append(p.contract)
+        return cls(
+            rank=request.rank,
+            world_size=request.world_size,
+            terms=tuple(terms),
+            values=tuple(values),
+            contracts=tuple(contracts),
+            covers=covers,
+            expansions=tuple([tuple(p.expansion) for p in parts]) if covers else (),
+            zero_ranks=tuple([p.zero_ranks for p in parts]) if covers else (),
+        )
+
+    def request(self, key: pb.RoundKey) -> pb.ReduceRequest:
+        """This contribution as the ``ReduceRequest`` for round ``key``."""
+        if self.covers:
+            partials = [
+                pb.TermPartial(term=t, value=v, contract=c, expansion=e, zero_ranks=z)
+                for t, v, c, e, z in zip(
+                    self.terms,
+                    self.values,
+                    self.contracts,
+                    self.expansions,
+                    self.zero_ranks,
+                    strict=True,
+                )
+            ]
+        else:
+            partials = [
+                pb.TermPartial(term=t, value=v, contract=c)
+                for t, v, c in zip(self.terms, self.values, self.contracts, strict=True)
+            ]
+        return pb.ReduceRequest(
+            round=key,
+            rank=self.rank,
+            world_size=self.world_size,
+            partials=partials,
+            covered_ranks=self.covers,
+        )
