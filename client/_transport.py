@@ -15,6 +15,7 @@ from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from lossreduce.client.settings import ClientSettings, channel_options
+from lossreduce.errors import UsageError
 
 __all__ = ["call_metadata", "channel_credentials", "open_channel", "status_of"]
 
@@ -23,7 +24,7 @@ def _read_pem(field: str, path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise ValueError(f"ClientSettings.{field} {str(path)!r} cannot be read: {exc}") from exc
+        raise UsageError(f"ClientSettings.{field} {str(path)!r} cannot be read: {exc}") from exc
 
 
 def channel_credentials(settings: ClientSettings) -> grpc.ChannelCredentials | None:

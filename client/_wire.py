@@ -4,13 +4,16 @@ No gRPC and no event loop here, so every conversion (numbers and 0-d tensors to
 doubles, responses to :class:`RoundResult`, statuses to exceptions carrying the
 client's own job, group, step and rank) is unit-testable alone.
 
-Local checks are deliberately few. A NaN, infinite or negative partial, a bad
-term name or a rank outside the world is *sent anyway*: the coordinator then
+Nothing a rank sends is refused before sending, so its peers never wait for
+the round timeout because of it. A NaN, infinite or negative partial, a bad
+term name or a rank outside the world is sent as given: the coordinator then
 answers this rank with :class:`InvalidPartialError` and every peer with
-:class:`RoundAbortedError` naming this rank, at once. Rejecting it here would
-leave the peers waiting for the round timeout. Only what cannot be encoded at
-all (a value that is not a number, a tensor with more than one element, a
-contract for a term that has no partial) is rejected before sending.
+:class:`RoundAbortedError` naming this rank, at once. What cannot be encoded
+(a value that is not a number, a tensor with more than one element, a
+contract for a term that has no partial) is sent as a NaN partial for that
+term, which the coordinator rejects the same way; this rank then raises its
+own :class:`InvalidPartialError` saying what was wrong locally
+(:attr:`Outgoing.local_error`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
 
 from google.rpc import code_pb2, status_pb2
 
+from lossreduce.client.types import PartialValue, RoundResult, SupportsItem
+from lossreduce.contribution import Contribution
 from lossreduce.errors import (
     ClientClosedError,
     CoordinatorUnavailableError,
@@ -29,15 +33,13 @@ from lossreduce.errors import (
     LossReduceError,
     RankContext,
     describe_round,
-    from_status,
 )
+from lossreduce.status_codec import from_status
 from lossreduce.v2 import coordinator_pb2 as pb
 
 __all__ = [
-    "PartialValue",
+    "Outgoing",
     "RoundContext",
-    "RoundResult",
-    "SupportsItem",
     "build_request",
     "closed_error",
     "coerce_partial",
@@ -48,36 +50,30 @@ __all__ = [
 ]
 
 
-@runtime_checkable
-class SupportsItem(Protocol):
-    """A scalar container such as a 0-d ``torch.Tensor`` or a numpy scalar."""
-
-    def item(self) -> float | int: ...
-
-
-PartialValue: TypeAlias = float | int | SupportsItem
-"""What ``reduce`` accepts as a partial: a Python number or a 0-d tensor."""
-
-
 @dataclass(frozen=True)
 class RoundContext(RankContext):
     """Where a call happens; every error the client raises names all of it."""
 
     world_size: int
 
+    @property
+    def key(self) -> pb.RoundKey:
+        """The round this call contributes to."""
+        return pb.RoundKey(job=self.job, group=self.group, step=self.step)
+
 
 @dataclass(frozen=True)
-class RoundResult:
-    """The answer to one round: the same for every rank of the round.
+class Outgoing:
+    """One call's request, and the error this rank raises whatever the answer.
 
-    ``normalizers`` maps each term to its global normalizer (finite and > 0),
-    in the order the terms were sent; ``zero_ranks`` maps each term to how many
-    ranks sent a partial of 0 for it (ranks with no active unit locally).
+    ``local_error`` is set when some partial or contract could not be encoded:
+    the request then carries a NaN partial for each such term, so the
+    coordinator aborts the round for every peer, and this rank raises
+    ``local_error`` (chained to the coordinator's answer) rather than that answer.
     """
 
-    step: int
-    normalizers: Mapping[str, float]
-    zero_ranks: Mapping[str, int]
+    request: pb.ReduceRequest
+    local_error: InvalidPartialError | None
 
 
 def coerce_partial(term: str, value: object, ctx: RoundContext) -> float:
@@ -86,60 +82,78 @@ def coerce_partial(term: str, value: object, ctx: RoundContext) -> float:
     Accepts ints and floats and anything with ``.item()`` and no dimensions
     (0-d torch tensors, numpy scalars), without importing torch.
     """
+    double = _as_double(value)
+    if isinstance(double, str):
+        raise ctx.error(InvalidPartialError, _not_a_number(term, double), terms=[term])
+    return double
+
+
+def _as_double(value: object) -> float | str:
+    """``value`` as a double, or why it is not a number."""
     if isinstance(value, bool):
-        raise _not_a_number(term, value, ctx, "a bool is not a partial normalizer")
+        return "a bool is not a partial normalizer"
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, SupportsItem):
         ndim = getattr(value, "ndim", 0)
         if ndim != 0:
             shape = tuple(getattr(value, "shape", ()))
-            raise _not_a_number(
-                term, value, ctx, f"a partial must be a 0-d tensor, got shape {list(shape)}"
-            )
+            return f"a partial must be a 0-d tensor, got shape {list(shape)}"
         item = value.item()
         if isinstance(item, int | float) and not isinstance(item, bool):
             return float(item)
-    raise _not_a_number(term, value, ctx, f"got {type(value).__name__}")
+    return f"got {type(value).__name__}"
 
 
-def _not_a_number(term: str, value: object, ctx: RoundContext, why: str) -> InvalidPartialError:
-    return ctx.error(
-        InvalidPartialError,
-        f"partial for term {term!r} is not a number ({why}); "
-        "nothing was sent, so peers will see this rank missing at the round timeout",
-        terms=[term],
-    )
+def _not_a_number(term: str, why: str) -> str:
+    return f"partial for term {term!r} is not a number ({why})"
 
 
 def build_request(
     ctx: RoundContext,
     partials: Mapping[str, PartialValue],
-    contracts: Mapping[str, str] | None,
-) -> pb.ReduceRequest:
-    """The ReduceRequest for this rank's partials, terms in mapping order."""
+    contracts: Mapping[str, str] | None = None,
+) -> Outgoing:
+    """The ReduceRequest for this rank's partials, terms in mapping order.
+
+    Terms that only ``contracts`` names follow, with a NaN partial; so does
+    any value that is not a number (see :class:`Outgoing`).
+    """
     contracts = contracts or {}
-    unknown = [term for term in contracts if term not in partials]
+    terms = [*partials, *(t for t in contracts if t not in partials)]
+    values: list[float] = []
+    problems: list[str] = []
+    poisoned: list[str] = []
+    for term, value in partials.items():
+        double = _as_double(value)
+        if isinstance(double, str):
+            problems.append(_not_a_number(term, double))
+            poisoned.append(term)
+            double = math.nan
+        values.append(double)
+    unknown = terms[len(partials) :]
     if unknown:
-        raise ctx.error(
-            InvalidPartialError,
-            f"contracts name terms {unknown} that have no partial "
-            f"(terms: {list(partials)}); nothing was sent",
-            terms=unknown,
+        problems.append(
+            f"contracts name terms {unknown} that have no partial (terms: {list(partials)})"
         )
-    return pb.ReduceRequest(
-        round=pb.RoundKey(job=ctx.job, group=ctx.group, step=ctx.step),
+        poisoned.extend(unknown)
+        values.extend(math.nan for _ in unknown)
+    request = Contribution(
         rank=ctx.rank,
         world_size=ctx.world_size,
-        partials=[
-            pb.TermPartial(
-                term=term,
-                value=coerce_partial(term, value, ctx),
-                contract=contracts.get(term, ""),
-            )
-            for term, value in partials.items()
-        ],
-    )
+        terms=tuple(terms),
+        values=tuple(values),
+        contracts=tuple(contracts.get(t, "") for t in terms),
+    ).request(ctx.key)
+    local_error = None
+    if problems:
+        local_error = ctx.error(
+            InvalidPartialError,
+            f"{'; '.join(problems)}; sent NaN for {poisoned} instead, so the coordinator "
+            "aborts the round for every rank",
+            terms=poisoned,
+        )
+    return Outgoing(request, local_error)
 
 
 def parse_response(response: pb.ReduceResponse, ctx: RoundContext) -> RoundResult:

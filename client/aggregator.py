@@ -1,8 +1,9 @@
 """Hierarchical aggregation: one contribution per node instead of one per rank.
 
 A node-local aggregator (the rank-0 worker of a node, or a per-node agent)
-collects the partials of the ranks on its node, checks each rank's
-contribution with the shared rules, and sends the coordinator *one*
+collects the partials of the ranks on its node, judges each rank's
+contribution alone as the coordinator would
+(:func:`lossreduce.contribution_check.check_contribution`), and sends the coordinator *one*
 ``ReduceRequest`` whose ``covered_ranks`` lists those ranks and whose partials
 carry the exact per-term sum as a non-overlapping expansion
 (:mod:`lossreduce.client.expansion`), plus how many ranks sent 0. The
@@ -21,47 +22,56 @@ Guarantees kept:
   contributions, so a re-sent identical request gets the identical outcome.
 
 :func:`node_requests` is the pure part; :class:`NodeAggregator` the asyncio
-shell around one upstream ``ReduceStream``.
+shell around one upstream ``ReduceStream``, built and opened like
+:class:`~lossreduce.client.AsyncReductionClient` (target, job, group, world
+size, settings; ``open()``/``close()``); :meth:`NodeAggregator.local_rank` is
+one local rank's view with the client's ``reduce(step, partials, contracts)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
 
 import grpc
+from pydantic import Field
 
+from lossreduce.client._transport import call_metadata, open_channel
 from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
+from lossreduce.client.settings import ClientSettings
 from lossreduce.contribution import Contribution
+from lossreduce.contribution_check import check_contribution
 from lossreduce.errors import (
     ConflictingContributionError,
     CoordinatorUnavailableError,
     InvalidPartialError,
     LossReduceError,
     describe_round,
-    from_status,
 )
-from lossreduce.rules import check_partial, check_term_name
+from lossreduce.status_codec import from_status
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["NodeAggregator", "node_requests"]
+__all__ = ["AggregatorSettings", "LocalRank", "NodeAggregator", "node_requests"]
 
 
-@functools.lru_cache(maxsize=256)
-def _terms_ok(terms: tuple[str, ...]) -> bool:
-    # A node sends the same few term tuples every step: check each tuple's names once.
-    return bool(terms) and len(set(terms)) == len(terms) and not any(map(check_term_name, terms))
+class AggregatorSettings(ClientSettings):
+    """How a node aggregator talks to the coordinator (as a client does) and how long
+    it waits for its own ranks."""
 
-
-def _valid_alone(c: Contribution) -> bool:
-    if not 0 <= c.rank < c.world_size or not _terms_ok(c.terms):
-        return False
-    return all(check_partial(v) is None for v in c.values)
+    node_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "Seconds the node waits for all its local ranks of a round before it hands the "
+            "coordinator the ranks that arrived (and each later one as it arrives); the "
+            "coordinator's round timeout then decides the round for every node alike."
+        ),
+    )
 
 
 def node_requests(
@@ -79,7 +89,14 @@ def node_requests(
         for c in ordered
     )
     distinct = len({c.rank for c in ordered}) == len(ordered)
-    if not (agree and distinct and all(_valid_alone(c) for c in ordered)):
+    # Every contribution names the first one's terms: judge those names once.
+    valid = (
+        agree
+        and distinct
+        and check_contribution(first) is None
+        and all(check_contribution(c, known_terms=first.terms) is None for c in ordered[1:])
+    )
+    if not valid:
         return [c.request(key) for c in ordered]
     expansions = []
     for index in range(len(first.terms)):
@@ -142,37 +159,51 @@ _Answer = tuple[pb.ReduceResponse, dict[str, float]]
 
 
 class NodeAggregator:
-    """The aggregator of one node: local ranks call :meth:`reduce`; the node
+    """The aggregator of one node: its local ranks reduce through it, and the node
     sends the coordinator one contribution per round over one stream.
 
-    Every local rank gets exactly the coordinator's answer for its round.
-    ``timeout_s`` only bounds how long the node waits for its own ranks:
-    when it passes with local ranks missing, the node hands the coordinator
-    the ranks that arrived (and each later one as it arrives), so the
-    coordinator's round timeout decides the round for every node alike. Once
-    a round is upstream the node waits for the coordinator's answer, which the
-    coordinator's round timeout bounds; if the stream ends first, every rank
-    still waiting gets :class:`~lossreduce.errors.CoordinatorUnavailableError`
-    at once, and so does every later call.
+    ::
 
-    Use as ``async with NodeAggregator(channel, job=..., group=..., local_ranks=...)``.
+        async with NodeAggregator(
+            "10.0.0.1:50051", job="run-7", group="actor", local_ranks=(0, 1, 2, 3), world_size=8
+        ) as node:
+            rank = node.local_rank(2)
+            normalizers = await rank.reduce(step, {"pg": tokens, "kl": tokens})
+
+    Every local rank gets exactly the coordinator's answer for its round.
+    ``settings.node_timeout_s`` only bounds how long the node waits for its own
+    ranks: when it passes with local ranks missing, the node hands the
+    coordinator the ranks that arrived (and each later one as it arrives), so
+    the coordinator's round timeout decides the round for every node alike.
+    Once a round is upstream the node waits for the coordinator's answer, which
+    the coordinator's round timeout bounds; if the stream ends first, every
+    rank still waiting gets :class:`~lossreduce.errors.CoordinatorUnavailableError`
+    at once, and so does every later call. The channel is the client's (TLS,
+    token and keepalive from ``settings``); it opens on :meth:`open` or the
+    first call.
     """
 
     def __init__(
         self,
-        channel: grpc.aio.Channel,
+        target: str,
         *,
         job: str,
         group: str,
         local_ranks: Sequence[int],
-        timeout_s: float = 300.0,
+        world_size: int,
+        settings: AggregatorSettings | None = None,
     ) -> None:
         if not local_ranks:
             raise ValueError(f"job {job!r} group {group!r}: a node aggregator needs local ranks")
-        self._job, self._group = job, group
+        if world_size < 1:
+            raise ValueError(f"job {job!r} group {group!r}: world_size={world_size} must be >= 1")
+        self.target = target
+        self.job = job
+        self.group = group
+        self.world_size = world_size
+        self.settings = settings if settings is not None else AggregatorSettings()
         self._local = frozenset(local_ranks)
-        self._timeout_s = timeout_s
-        self._stub = pb_grpc.ReductionCoordinatorStub(channel)
+        self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._steps: dict[int, _Step] = {}
         self._in_flight: deque[tuple[int, tuple[int, ...]]] = deque()
@@ -183,15 +214,25 @@ class NodeAggregator:
         self._ended: str | None = None
         """Why the stream to the coordinator is no longer usable (None while it is)."""
 
-    def start(self) -> NodeAggregator:
-        """Open the upstream stream (on the running loop); returns ``self``."""
-        self._call = self._stub.ReduceStream()
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.target!r}, job={self.job!r}, group={self.group!r}, "
+            f"local_ranks={sorted(self._local)}, world_size={self.world_size})"
+        )
+
+    async def open(self) -> None:
+        """Open the channel and the upstream stream on the running loop (done implicitly
+        by the first call); does nothing once open or closed."""
+        if self._channel is not None or self._ended is not None:
+            return
+        self._channel = open_channel(self.target, self.settings)
+        stub = pb_grpc.ReductionCoordinatorStub(self._channel)
+        self._call = stub.ReduceStream(metadata=call_metadata(self.settings))
         self._reader = asyncio.create_task(self._read_answers())
-        return self
 
     async def close(self) -> None:
-        """Close the upstream stream and stop reading answers; ranks still
-        waiting get :class:`~lossreduce.errors.CoordinatorUnavailableError`."""
+        """Close the upstream stream and the channel; ranks still waiting, and every
+        later call, get :class:`~lossreduce.errors.CoordinatorUnavailableError`."""
         if self._call is not None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 await self._call.done_writing()
@@ -202,34 +243,30 @@ class NodeAggregator:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._end("the node aggregator was closed")
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
     async def __aenter__(self) -> NodeAggregator:
-        return self.start()
+        await self.open()
+        return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
-    async def reduce(
-        self,
-        rank: int,
-        world_size: int,
-        step: int,
-        partials: Mapping[str, float],
-        contracts: Mapping[str, str],
-    ) -> dict[str, float]:
-        """Rank ``rank``'s contribution to ``step``; returns the global normalizers
-        once the round completes, or raises the round's :mod:`lossreduce.errors` error."""
-        terms = tuple(partials)
-        mine = Contribution(
-            rank=rank,
-            world_size=world_size,
-            terms=terms,
-            values=tuple(map(float, partials.values())),
-            contracts=tuple([contracts.get(t, "") for t in terms]),
-        )
-        state = await self._arrive(step, [mine])
-        await self._wait(state, (rank,))
-        return self._answer(step, rank, state)
+    def local_rank(self, rank: int) -> LocalRank:
+        """Local rank ``rank``'s view of this node, with the client's ``reduce``."""
+        if rank not in self._local:
+            raise ValueError(
+                f"job {self.job!r} group {self.group!r}: rank {rank} is not a local rank of "
+                f"this node {sorted(self._local)}"
+            )
+        return LocalRank(self, rank)
 
     async def reduce_node(
         self, step: int, contributions: Sequence[Contribution]
@@ -247,12 +284,13 @@ class NodeAggregator:
         return results
 
     async def _arrive(self, step: int, contributions: Sequence[Contribution]) -> _Step:
+        await self.open()
         state = self._steps.get(step)
         if state is None:
             state = self._steps[step] = _Step()
             # One deadline per round, not one timer per rank.
             state.timer = asyncio.get_running_loop().call_later(
-                self._timeout_s, self._flush, step, state
+                self.settings.node_timeout_s, self._flush, step, state
             )
         for c in contributions:
             self._check_local(step, c, state.arrived.get(c.rank))
@@ -271,12 +309,12 @@ class NodeAggregator:
             await asyncio.shield(state.updated)
 
     def _check_local(self, step: int, c: Contribution, previous: Contribution | None) -> None:
-        where = describe_round(self._job, self._group, step)
+        where = describe_round(self.job, self.group, step)
         if c.rank not in self._local:
             raise InvalidPartialError(
                 f"{where}: rank {c.rank} is not a local rank of this node {sorted(self._local)}",
-                job=self._job,
-                group=self._group,
+                job=self.job,
+                group=self.group,
                 step=step,
                 rank=c.rank,
                 ranks=(c.rank,),
@@ -285,8 +323,8 @@ class NodeAggregator:
             raise ConflictingContributionError(
                 f"{where}: rank {c.rank} already gave this node {previous.values} and now "
                 f"{c.values}; the round keeps the first contribution",
-                job=self._job,
-                group=self._group,
+                job=self.job,
+                group=self.group,
                 step=step,
                 rank=c.rank,
                 terms=c.terms,
@@ -301,9 +339,7 @@ class NodeAggregator:
             raise state.failure
         response, normalizers = answer
         if response.HasField("error") and response.error.code != 0:
-            raise from_status(
-                response.error, job=self._job, group=self._group, step=step, rank=rank
-            )
+            raise from_status(response.error, job=self.job, group=self.group, step=step, rank=rank)
         return dict(normalizers)
 
     def _flush(self, step: int, state: _Step) -> None:
@@ -319,7 +355,7 @@ class NodeAggregator:
 
     async def _send(self, step: int, state: _Step) -> None:
         """Send upstream the arrived local ranks not sent yet (each rank goes once)."""
-        assert self._call is not None, "use the aggregator as an async context manager"
+        assert self._call is not None, "_arrive opens the stream before anything is sent"
         fresh = [c for r, c in state.arrived.items() if r not in state.sent]
         if not fresh:
             return
@@ -327,7 +363,7 @@ class NodeAggregator:
         if len(state.sent) == len(self._local) and state.timer is not None:
             state.timer.cancel()
             state.timer = None
-        key = pb.RoundKey(job=self._job, group=self._group, step=step)
+        key = pb.RoundKey(job=self.job, group=self.group, step=step)
         requests = node_requests(key, fresh)
         try:
             async with self._write_lock:  # FIFO: requests go out in the order they were queued
@@ -383,10 +419,10 @@ class NodeAggregator:
             return
         waiting = sorted(set(state.arrived) - set(state.answers))
         state.failure = CoordinatorUnavailableError(
-            f"{describe_round(self._job, self._group, step)}: {self._ended}; local ranks "
+            f"{describe_round(self.job, self.group, step)}: {self._ended}; local ranks "
             f"{waiting} got no answer (arrived: {sorted(state.arrived)} of {sorted(self._local)})",
-            job=self._job,
-            group=self._group,
+            job=self.job,
+            group=self.group,
             step=step,
             ranks=waiting,
         )
@@ -397,3 +433,41 @@ class NodeAggregator:
         # still collecting its ranks or with a request in flight stays until it settles.
         for old in [s for s, st in self._steps.items() if s < step - 8 and st.settled()]:
             del self._steps[old]
+
+
+class LocalRank:
+    """One local rank of a :class:`NodeAggregator`: the rank side of
+    :class:`~lossreduce.client.AsyncReductionClient` (the same ``reduce``), over
+    the node's stream. Made by :meth:`NodeAggregator.local_rank`."""
+
+    def __init__(self, node: NodeAggregator, rank: int) -> None:
+        self.node = node
+        self.job = node.job
+        self.group = node.group
+        self.rank = rank
+        self.world_size = node.world_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.node!r}, rank={self.rank})"
+
+    async def reduce(
+        self,
+        step: int,
+        partials: Mapping[str, float],
+        contracts: Mapping[str, str] | None = None,
+    ) -> dict[str, float]:
+        """This rank's partials for ``step`` in, the global normalizers out (identical on
+        every rank); raises the round's :mod:`lossreduce.errors` error otherwise."""
+        terms = tuple(partials)
+        contracts = contracts or {}
+        mine = Contribution(
+            rank=self.rank,
+            world_size=self.world_size,
+            terms=terms,
+            values=tuple(map(float, partials.values())),
+            contracts=tuple([contracts.get(t, "") for t in terms]),
+        )
+        (result,) = await self.node.reduce_node(step, [mine])
+        if isinstance(result, LossReduceError):
+            raise result
+        return result

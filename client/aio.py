@@ -25,9 +25,7 @@ from google.rpc import code_pb2, status_pb2
 from lossreduce.client._stream import ReduceStreamSession, StreamBrokenError
 from lossreduce.client._transport import call_metadata, open_channel, status_of
 from lossreduce.client._wire import (
-    PartialValue,
     RoundContext,
-    RoundResult,
     build_request,
     closed_error,
     deadline_error,
@@ -37,7 +35,8 @@ from lossreduce.client._wire import (
 )
 from lossreduce.client.retry import Backoff, RetryBudget
 from lossreduce.client.settings import ClientSettings
-from lossreduce.errors import ClientClosedError
+from lossreduce.client.types import PartialValue, RoundResult
+from lossreduce.errors import ClientClosedError, LossReduceError, UsageError
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
@@ -84,16 +83,26 @@ class AsyncReductionClient:
         settings: ClientSettings | None = None,
     ) -> None:
         if not 1 <= world_size <= _MAX_RANK:
-            raise ValueError(f"job {job!r} rank {rank}: world_size={world_size} must be >= 1")
+            raise UsageError(
+                f"job {job!r} group {group!r} rank {rank}: world_size={world_size} "
+                "must be in [1, 2**32)",
+                job=job,
+                group=group,
+                rank=rank,
+            )
         if not 0 <= rank <= _MAX_RANK:
-            raise ValueError(f"job {job!r}: rank={rank} must be >= 0")
+            raise UsageError(
+                f"job {job!r} group {group!r}: rank={rank} must be in [0, 2**32)",
+                job=job,
+                group=group,
+            )
         # rank >= world_size is not rejected here: the coordinator rejects it
         # and tells every peer which rank is misconfigured (see _wire).
         self.target = target
-        self.job = job
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
+        self._job = job
+        self._group = group
+        self._rank = rank
+        self._world_size = world_size
         self.settings = settings if settings is not None else ClientSettings()
         self._state = ClientState.UNOPENED
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,6 +121,22 @@ class AsyncReductionClient:
         )
 
     @property
+    def job(self) -> str:
+        return self._job
+
+    @property
+    def group(self) -> str:
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
     def state(self) -> ClientState:
         return self._state
 
@@ -127,9 +152,12 @@ class AsyncReductionClient:
             self._state = ClientState.OPEN
         elif loop is not self._loop:
             # A grpc.aio channel only works on the loop it was created on.
-            raise RuntimeError(
+            raise UsageError(
                 f"The client for job {self.job!r} rank {self.rank} was opened on another event "
-                "loop; create one client per event loop (or use ReductionClient)."
+                "loop; create one client per event loop (or use ReductionClient).",
+                job=self.job,
+                group=self.group,
+                rank=self.rank,
             )
 
     async def close(self) -> None:
@@ -167,8 +195,11 @@ class AsyncReductionClient:
         ``partials`` maps term names to this rank's partial normalizer (a Python
         number or a 0-d tensor); ``contracts`` optionally maps terms to their
         contract string (every rank must send the same). Returns term -> global
-        normalizer, identical on every rank. Raises a
-        :class:`lossreduce.errors.LossReduceError` subclass otherwise.
+        normalizer, identical on every rank, in the order of ``partials``.
+        Raises a :class:`lossreduce.errors.LossReduceError` subclass otherwise;
+        a partial that is not a number, or a contract for a term with no
+        partial, is still sent (as NaN) so the peers abort at once, and this
+        rank raises :class:`lossreduce.errors.InvalidPartialError` naming it.
         """
         result = await self.reduce_detailed(step, partials, contracts)
         return dict(result.normalizers)
@@ -182,10 +213,10 @@ class AsyncReductionClient:
         """Like :meth:`reduce`, also returning how many ranks sent 0 per term."""
         self.check_open(step)
         ctx = self._context(step)
-        request = build_request(ctx, partials, contracts)
+        outgoing = build_request(ctx, partials, contracts)
         await self.open()
         try:
-            return await self._reduce(ctx, request)
+            result = await self._reduce(ctx, outgoing.request)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             # close() cancels the channel's calls; only a cancellation of the
@@ -193,6 +224,15 @@ class AsyncReductionClient:
             if self._is_closed() and (task is None or not task.cancelling()):
                 raise self._closed_while_waiting(step) from None
             raise
+        except LossReduceError as answer:
+            if outgoing.local_error is None:
+                raise
+            # The coordinator's answer is about the NaN we substituted; what
+            # this rank must fix is what could not be encoded.
+            raise outgoing.local_error from answer
+        if outgoing.local_error is not None:
+            raise outgoing.local_error
+        return result
 
     def check_open(self, step: int | None) -> None:
         """Raise ClientClosedError (naming ``step`` if given) if the client was closed."""
@@ -206,9 +246,12 @@ class AsyncReductionClient:
 
     def _context(self, step: int) -> RoundContext:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _MAX_STEP:
-            raise ValueError(
+            raise UsageError(
                 f"job {self.job!r} group {self.group!r} rank {self.rank}: step={step!r} "
-                "must be an int in [0, 2**64)"
+                "must be an int in [0, 2**64)",
+                job=self.job,
+                group=self.group,
+                rank=self.rank,
             )
         return RoundContext(self.job, self.group, step, self.rank, self.world_size)
 

@@ -13,13 +13,17 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import grpc
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lossreduce.client import ClientSettings, channel_options
 from lossreduce.client._transport import call_metadata, channel_credentials
+from lossreduce.settings_cli import FlagError, SettingsParser, add_settings_flags, parse_settings
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["format_ranks", "format_table", "main"]
+__all__ = ["PROG", "StatusSettings", "format_ranks", "format_table", "main"]
+
+PROG = "lossreduce status"
 
 _STATE_NAMES = {
     pb.ROUND_STATE_COLLECTING: "collecting",
@@ -69,82 +73,104 @@ def format_table(rounds: Sequence[pb.RoundStatus]) -> str:
     return "\n".join(lines)
 
 
+class StatusSettings(BaseModel):
+    """What ``lossreduce status`` asks which coordinator (the bearer token comes from
+    LOSSREDUCE_TOKEN only: command lines are visible to every user)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    coordinator: str = Field(description="gRPC target of the coordinator, HOST:PORT.")
+    job: str = Field(default="", description="Only this job (default: every job).")
+    group: str | None = Field(
+        default=None, description="With --step (and --job): show one round via GetRound."
+    )
+    step: int | None = Field(
+        default=None, ge=0, description="With --group (and --job): the round's step."
+    )
+    timeout_s: float = Field(
+        default=10.0, gt=0, allow_inf_nan=False, description="Deadline of the RPC, in seconds."
+    )
+    tls_root_cert: Path | None = Field(
+        default=None, description="PEM CA bundle to verify a TLS coordinator with."
+    )
+    tls_client_cert: Path | None = Field(
+        default=None, description="PEM client certificate (mutual TLS)."
+    )
+    tls_client_key: Path | None = Field(default=None, description="PEM key of --tls-client-cert.")
+    tls_server_name: str | None = Field(
+        default=None, description="Name expected in the coordinator's certificate."
+    )
+
+    @model_validator(mode="after")
+    def _one_round(self) -> StatusSettings:
+        if (self.group is None) != (self.step is None):
+            raise ValueError("--group and --step go together")
+        if self.group is not None and not self.job:
+            raise ValueError("--group and --step need --job")
+        return self
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lossreduce status",
+    parser = SettingsParser(
+        prog=PROG,
         description="List the live and recent rounds of a coordinator and the ranks they wait for.",
     )
-    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="gRPC target")
-    parser.add_argument("--job", default="", help="only this job (default: every job)")
-    parser.add_argument("--group", help="with --step: show one round via GetRound")
-    parser.add_argument("--step", type=int, help="with --group: the round's step")
-    parser.add_argument(
-        "--timeout", type=float, default=10.0, metavar="SECONDS", help="RPC deadline [default: 10]"
+    add_settings_flags(
+        parser, StatusSettings, metavars={"coordinator": "HOST:PORT", "group": "GROUP"}
     )
-    # Credentials, as the client takes them; the bearer token comes from LOSSREDUCE_TOKEN.
-    for flag, help_ in (
-        ("--tls-root-cert", "PEM CA bundle to verify a TLS coordinator with"),
-        ("--tls-client-cert", "PEM client certificate (mutual TLS)"),
-        ("--tls-client-key", "PEM key of --tls-client-cert"),
-    ):
-        parser.add_argument(flag, type=Path, help=help_)
-    parser.add_argument("--tls-server-name", help="name expected in the coordinator's certificate")
     return parser
 
 
-def _connect(args: argparse.Namespace) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
+def _connect(settings: StatusSettings) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
     """A channel with the credentials of the flags (and LOSSREDUCE_TOKEN), and its call metadata."""
-    settings = ClientSettings(
-        tls_root_cert=args.tls_root_cert,
-        tls_client_cert=args.tls_client_cert,
-        tls_client_key=args.tls_client_key,
-        tls_server_name=args.tls_server_name,
+    client = ClientSettings(
+        tls_root_cert=settings.tls_root_cert,
+        tls_client_cert=settings.tls_client_cert,
+        tls_client_key=settings.tls_client_key,
+        tls_server_name=settings.tls_server_name,
     )
-    credentials = channel_credentials(settings)
-    options = channel_options(settings)
+    credentials = channel_credentials(client)
+    options = channel_options(client)
     if credentials is None:
-        channel = grpc.insecure_channel(args.coordinator, options=options)
+        channel = grpc.insecure_channel(settings.coordinator, options=options)
     else:
-        channel = grpc.secure_channel(args.coordinator, credentials, options=options)
-    return channel, call_metadata(settings)
+        channel = grpc.secure_channel(settings.coordinator, credentials, options=options)
+    return channel, call_metadata(client)
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = _parser()
-    args = parser.parse_args(list(argv))
-    if (args.group is None) != (args.step is None):
-        print("lossreduce status: --group and --step go together", file=sys.stderr)
-        return 2
-    if args.group is not None and not args.job:
-        print("lossreduce status: --group and --step need --job", file=sys.stderr)
-        return 2
-    channel, metadata = _connect(args)
+    try:
+        settings = parse_settings(StatusSettings, _parser().parse_args(list(argv)))
+    except FlagError as err:
+        return err.report(PROG)
+    channel, metadata = _connect(settings)
     with channel:
         stub = pb_grpc.ReductionCoordinatorStub(channel)
         try:
-            if args.group is None:
+            if settings.group is None:
                 rounds = list(
                     stub.ListRounds(
-                        pb.ListRoundsRequest(job=args.job), timeout=args.timeout, metadata=metadata
+                        pb.ListRoundsRequest(job=settings.job),
+                        timeout=settings.timeout_s,
+                        metadata=metadata,
                     ).rounds
                 )
             else:
-                key = pb.RoundKey(job=args.job, group=args.group, step=args.step)
+                key = pb.RoundKey(job=settings.job, group=settings.group, step=settings.step)
                 rounds = [
                     stub.GetRound(
-                        pb.GetRoundRequest(round=key), timeout=args.timeout, metadata=metadata
+                        pb.GetRoundRequest(round=key), timeout=settings.timeout_s, metadata=metadata
                     )
                 ]
         except grpc.RpcError as err:
             print(
-                f"lossreduce status: cannot query {args.coordinator}: "
-                f"{err.code().name} {err.details()}",
+                f"{PROG}: cannot query {settings.coordinator}: {err.code().name} {err.details()}",
                 file=sys.stderr,
             )
             return 1
     if not rounds:
-        scope = f"job {args.job!r}" if args.job else "any job"
-        print(f"no live or recent rounds for {scope} on {args.coordinator}")
+        scope = f"job {settings.job!r}" if settings.job else "any job"
+        print(f"no live or recent rounds for {scope} on {settings.coordinator}")
         return 0
     # Stuck rounds first, then the newest steps of each job and group.
     rounds.sort(

@@ -15,9 +15,10 @@ from collections.abc import Coroutine, Mapping
 from types import TracebackType
 from typing import TypeVar
 
-from lossreduce.client._wire import PartialValue, RoundResult, closed_error
+from lossreduce.client._wire import closed_error
 from lossreduce.client.aio import AsyncReductionClient, ClientState
 from lossreduce.client.settings import ClientSettings
+from lossreduce.client.types import PartialValue, RoundResult
 
 __all__ = ["ReductionClient"]
 
@@ -75,6 +76,22 @@ class ReductionClient:
     @property
     def settings(self) -> ClientSettings:
         return self._client.settings
+
+    @property
+    def job(self) -> str:
+        return self._client.job
+
+    @property
+    def group(self) -> str:
+        return self._client.group
+
+    @property
+    def rank(self) -> int:
+        return self._client.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._client.world_size
 
     @property
     def state(self) -> ClientState:
@@ -151,23 +168,13 @@ class ReductionClient:
             # close() has begun; the async client may not be marked closed yet
             # (its _shutdown runs after the lock is released), so say it here.
             coro.close()
-            raise closed_error(
-                self._client.job,
-                self._client.group,
-                self._client.rank,
-                step,
-                while_waiting=False,
-            )
+            raise closed_error(self.job, self.group, self.rank, step, while_waiting=False)
         try:
             return future.result()
         except concurrent.futures.CancelledError:
             if step is not None and self.state is ClientState.CLOSED:
                 raise closed_error(
-                    self._client.job,
-                    self._client.group,
-                    self._client.rank,
-                    step,
-                    while_waiting=True,
+                    self.job, self.group, self.rank, step, while_waiting=True
                 ) from None
             raise
         except BaseException:

@@ -2,10 +2,14 @@
 
 - :class:`RoundTable` (``round_table``) is the state machine of rounds, with no
   gRPC in it; :class:`Outcome` and friends (``outcomes``) are what it answers.
+  Its parts: ``validation`` (a contribution alone and against its round's
+  contract), ``summation`` (exact sums, aggregates' expansions included),
+  ``records`` (what a restarted coordinator keeps of a round) and
+  ``step_window`` (a group's live and finished rounds, and its stale steps).
 - ``servicer`` maps the v2 protos onto table calls; ``metrics`` observes the
   table for Prometheus; ``app`` runs it all (:func:`serve`,
-  :class:`CoordinatorThread`); ``cli`` and ``status_cli`` are ``lossreduce
-  serve`` and ``lossreduce status``.
+  :class:`CoordinatorThread`); ``cli`` is ``lossreduce serve`` (``lossreduce
+  status`` dials the coordinator, so it lives in :mod:`lossreduce.client`).
 - Reliability and security (README "Guarantees"): ``journal`` and
   ``journal_store`` persist finished rounds before they are answered; ``auth``
   checks bearer tokens and job scopes; ``security`` holds TLS and the binding

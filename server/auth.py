@@ -43,7 +43,8 @@ import grpc
 from google.rpc import code_pb2
 from grpc_status import rpc_status
 
-from lossreduce.errors import AuthenticationError, to_status
+from lossreduce.errors import AuthenticationError
+from lossreduce.status_codec import to_status
 from lossreduce.v2 import coordinator_pb2 as pb
 
 from .handler_wrap import Handler, checked, refusing, with_behavior
@@ -54,7 +55,6 @@ __all__ = [
     "TokenFileError",
     "TokenGrant",
     "TokenRegistry",
-    "bearer_metadata",
     "load_tokens",
 ]
 
@@ -183,11 +183,6 @@ def load_tokens(token_file: Path | None, env_token: str | None) -> TokenRegistry
     if token_file is None and not env_token:
         return None
     return TokenRegistry(entries)
-
-
-def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """The call metadata a client sends to present ``token``."""
-    return ((AUTHORIZATION_HEADER, f"Bearer {token}"),)
 
 
 # -- the interceptor ---------------------------------------------------------------

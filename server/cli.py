@@ -1,9 +1,10 @@
 """``lossreduce serve``: run the coordinator until SIGTERM/SIGINT.
 
-Every :class:`CoordinatorSettings` field is a flag: the field name with dashes
-and without its ``_s`` unit suffix (``round_timeout_s`` -> ``--round-timeout``,
-in seconds). Unset flags fall back to ``LOSSREDUCE_*`` variables, then to the
-defaults. A bad value is a one-line error naming the flag and the value.
+Every :class:`CoordinatorSettings` field is a flag named by the one rule of
+:mod:`lossreduce.settings_cli` (``round_timeout_s`` -> ``--round-timeout-s``),
+except the token, which only the environment may carry. Unset flags fall back
+to ``LOSSREDUCE_*`` variables, then to the defaults. A bad value is a one-line
+error naming the flag (or variable) and the value.
 """
 
 from __future__ import annotations
@@ -13,95 +14,63 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from pydantic import ValidationError
+from lossreduce.settings_cli import (
+    NONE_WORDS,
+    FlagError,
+    SettingsParser,
+    add_settings_flags,
+    parse_settings,
+)
 
 from .app import Coordinator, serve
 from .hardening import CONFIG_ERRORS
-from .settings import CoordinatorSettings
+from .settings import SERVE_JOURNAL, CoordinatorSettings
 
-__all__ = ["build_parser", "flag_name", "main", "settings_from_args"]
+__all__ = ["PROG", "SERVE_JOURNAL", "build_parser", "main", "settings_from_args"]
 
-_OFF = ("off", "none", "")
-# Fields whose flag value 'off'/'none' means None.
-_NULLABLE = ("metrics_port", "journal")
+PROG = "lossreduce serve"
 # Secrets are read from the environment only: command lines are visible to every user.
 _ENV_ONLY = ("token",)
-SERVE_JOURNAL = Path("lossreduce-journal.sqlite3")
-"""The journal ``lossreduce serve`` keeps unless ``--journal`` or LOSSREDUCE_JOURNAL says otherwise."""
-
-
-def flag_name(field: str) -> str:
-    """The command-line flag of a settings field: ``round_timeout_s`` -> ``--round-timeout``."""
-    return "--" + field.removesuffix("_s").replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lossreduce serve",
+    parser = SettingsParser(
+        prog=PROG,
         description="Run the lossreduce reduction coordinator (gRPC, health, reflection, /metrics). "
         "Every flag can also be set as LOSSREDUCE_<FIELD> (e.g. LOSSREDUCE_ROUND_TIMEOUT_S).",
     )
-    for name, field in CoordinatorSettings.model_fields.items():
-        if name in _ENV_ONLY:
-            continue
-        default = field.default
-        if name == "metrics_port":
-            default = f"{default} ('off' disables it)"
-        if name == "journal":
-            default = f"./{SERVE_JOURNAL} ('none' disables it)"
-        if field.annotation is bool:
-            parser.add_argument(
-                flag_name(name),
-                dest=name,
-                action="store_true",
-                default=None,
-                help=f"{field.description} [env LOSSREDUCE_{name.upper()}=1]",
-            )
-            continue
-        parser.add_argument(
-            flag_name(name),
-            dest=name,
-            metavar="SECONDS" if name.endswith("_s") else name.upper(),
-            default=None,
-            help=f"{field.description} [default: {default}; env LOSSREDUCE_{name.upper()}]",
-        )
+    add_settings_flags(
+        parser,
+        CoordinatorSettings,
+        exclude=_ENV_ONLY,
+        shown_defaults={
+            "metrics_port": f"{CoordinatorSettings.model_fields['metrics_port'].default} "
+            "('off' disables it)",
+            "journal": f"./{SERVE_JOURNAL} ('none' disables it)",
+        },
+        metavars={"host": "HOST", "port": "PORT", "metrics_port": "PORT"},
+    )
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
-    """Settings from parsed flags (raw strings, validated by the model) over the environment."""
-    given: dict[str, object] = {
-        name: value for name, value in vars(args).items() if value is not None
-    }
-    for name in _NULLABLE:
-        value = given.get(name)
-        if isinstance(value, str) and value.lower() in _OFF:
-            given[name] = None
-    if "journal" not in given and "LOSSREDUCE_JOURNAL" not in os.environ:
-        given["journal"] = SERVE_JOURNAL
-    elif os.environ.get("LOSSREDUCE_JOURNAL", "x").lower() in _OFF and "journal" not in given:
-        given["journal"] = None
-    return CoordinatorSettings.model_validate(given)
-
-
-def _one_line(err: ValidationError, args: argparse.Namespace) -> str:
-    first = err.errors()[0]
-    field = str(first["loc"][0]) if first["loc"] else ""
-    value = getattr(args, field, None)
-    if value is None:  # came from the environment
-        return f"invalid LOSSREDUCE_{field.upper()}: {first['msg']}"
-    return f"invalid {flag_name(field)} {value!r}: {first['msg']}"
+    """Settings from parsed flags over the environment, with the journal ``serve`` keeps
+    by default; raises :class:`~lossreduce.settings_cli.FlagError`."""
+    defaults: dict[str, object] = {}
+    env_journal = os.environ.get("LOSSREDUCE_JOURNAL")
+    if env_journal is None:
+        defaults["journal"] = SERVE_JOURNAL
+    elif env_journal.lower() in (*NONE_WORDS, ""):
+        defaults["journal"] = None
+    return parse_settings(CoordinatorSettings, args, defaults=defaults)
 
 
 def main(argv: Sequence[str]) -> int:
-    args = build_parser().parse_args(list(argv))
     try:
-        settings = settings_from_args(args)
-    except ValidationError as err:
-        print(f"lossreduce serve: {_one_line(err, args)}", file=sys.stderr)
-        return 2
+        settings = settings_from_args(build_parser().parse_args(list(argv)))
+    except FlagError as err:
+        return err.report(PROG)
 
     async def run() -> None:
         ready: asyncio.Future[Coordinator] = asyncio.get_running_loop().create_future()
@@ -111,12 +80,12 @@ def main(argv: Sequence[str]) -> int:
     try:
         asyncio.run(run())
     except CONFIG_ERRORS as err:
-        print(f"lossreduce serve: {err}", file=sys.stderr)
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"lossreduce serve: {err}", file=sys.stderr)
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 1
-    print("lossreduce serve: stopped", flush=True)
+    print(f"{PROG}: stopped", flush=True)
     return 0
 
 

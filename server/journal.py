@@ -17,10 +17,13 @@ Design:
 - Writes happen on the caller's thread (the coordinator's event loop), inside
   the round table, right before the outcome becomes visible: one small
   transaction per finished round. In WAL mode with ``synchronous="normal"``
-  that is one ``write()`` to the WAL, about 25 µs, and a round answers all
-  its ranks at once, so it costs well under a microsecond per contribution
-  at realistic world sizes. (A writer thread with group commit would need the
-  servicer to await durability; not worth it at this cost.)
+  that is one ``write()`` to the WAL, about 25 µs plus the row's encoding.
+  The record keeps an 8-byte blake2b digest of every contribution (so a
+  conflicting re-send after a restart is recognized), which makes the cost
+  O(N) per round: a few µs per contribution, paid on the event loop before
+  the round's ranks are answered (the README's "Guarantees" has the measured
+  figures). A writer thread with group commit would need the servicer to
+  await durability; not worth it at this cost.
 - Durability: ``synchronous="normal"`` (the default) does not fsync per
   commit, which survives the process being killed (SIGKILL, the OOM killer,
   a crashed Ray actor) because the bytes are in the OS page cache; only a
@@ -46,12 +49,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .settings import SERVE_JOURNAL, CoordinatorSettings
+
 __all__ = [
-    "DEFAULT_JOURNAL_PATH",
     "JournalError",
     "JournalRecord",
     "JournalSettings",
@@ -59,9 +63,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-DEFAULT_JOURNAL_PATH = Path("lossreduce-journal.sqlite3")
-"""Where ``lossreduce serve`` keeps its journal unless told otherwise (working directory)."""
 
 _SCHEMA_VERSION = 1
 # SQLite integers are signed 64-bit; steps are uint64. Shifting by 2**63 keeps
@@ -85,20 +86,28 @@ class JournalError(RuntimeError):
     """The journal file cannot be opened, read or written; the message names the path."""
 
 
+def _coordinator_default(field: str) -> Any:
+    # One default per knob: the coordinator's settings, which `lossreduce serve` documents.
+    return CoordinatorSettings.model_fields[field].default
+
+
 class JournalSettings(BaseModel):
-    """Where and how the coordinator journals finished rounds."""
+    """Where and how the coordinator journals finished rounds (defaults: the
+    coordinator's ``journal_*`` settings, and ``lossreduce serve``'s journal path)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: Path | None = Field(
-        default=DEFAULT_JOURNAL_PATH,
+        default=SERVE_JOURNAL,
         description=(
-            "SQLite file holding finished rounds' outcomes (created if missing). "
-            "None turns journaling off: a restarted coordinator then forgets finished rounds."
+            "SQLite file holding finished rounds' outcomes (created if missing); the default is "
+            "lossreduce serve's (lossreduce.server.settings.SERVE_JOURNAL, in the working "
+            "directory). None turns journaling off: a restarted coordinator then forgets "
+            "finished rounds."
         ),
     )
     synchronous: Literal["normal", "full"] = Field(
-        default="normal",
+        default=_coordinator_default("journal_sync"),
         description=(
             "SQLite synchronous mode (WAL journal). 'normal': no fsync per commit; survives the "
             "process being killed, may lose the last commits on power loss. 'full': fsync every "
@@ -106,14 +115,15 @@ class JournalSettings(BaseModel):
         ),
     )
     retain_rounds_per_group: int = Field(
-        default=10_000,
+        default=_coordinator_default("journal_retain_rounds"),
         ge=1,
         description="Keep at most this many of the newest steps per (job, group); older ones are deleted.",
     )
     retain_seconds: float = Field(
-        default=24 * 3600.0,
+        default=_coordinator_default("journal_retain_s"),
         gt=0,
-        description="Delete rounds that finished longer ago than this many seconds.",
+        description="Delete rounds that finished longer ago than this many seconds; the default "
+        "is CoordinatorSettings.journal_retain_s (what `lossreduce serve` uses).",
     )
     compact_every: int = Field(
         default=512,

@@ -6,7 +6,7 @@ a contribution arrives for a round it does not know (after a restart).
 
 An outcome is stored as a small JSON document: floats as ``float.hex`` (exact,
 NaN and infinities included) and errors as the serialized ``google.rpc.Status``
-the ranks receive (:func:`lossreduce.errors.to_status`), so an answer rebuilt
+the ranks receive (:func:`lossreduce.status_codec.to_status`), so an answer rebuilt
 from the journal is the identical answer, down to the bytes on the wire.
 """
 
@@ -22,7 +22,8 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
-from lossreduce.errors import InvalidPartialError, LossReduceError, from_status, to_status
+from lossreduce.errors import InvalidPartialError, LossReduceError
+from lossreduce.status_codec import from_status, to_status
 
 from .journal import JournalError, JournalRecord, RoundJournal
 from .outcomes import DIGEST_SIZE, Outcome, OutcomeKind, RoundKey, RoundRecord, TermNormalizerValue

@@ -4,14 +4,17 @@
 table does into the ``lossreduce_*`` series that ``deploy/`` dashboards and
 alerts are written against. Label sets are bounded by job, group, term,
 outcome, reason, method and code: never per rank or per step, so a long job
-keeps a fixed number of series.
+keeps a fixed number of series. A group's series go when the round table
+forgets the group (idle for ``idle_group_ttl_s``, none of its rounds live or
+cached), so a long-lived coordinator serving many short jobs keeps a bounded
+number of series too.
 """
 
 from __future__ import annotations
 
 import platform
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -43,6 +46,10 @@ class _GroupSeries:
     duration: Histogram
     straggler: Histogram
     rounds: dict[OutcomeKind, Counter]
+    terms: set[str] = field(default_factory=set)
+    """Terms with a global normalizer series (removed with the group)."""
+    reasons: set[RejectReason] = field(default_factory=set)
+    """Reasons with a rejection series (removed with the group)."""
 
 
 class CoordinatorMetrics:
@@ -147,6 +154,7 @@ class CoordinatorMetrics:
         (series.retries if retry else series.contributions).inc()
 
     def contribution_rejected(self, key: RoundKey, reason: RejectReason) -> None:
+        self._series(key).reasons.add(reason)
         self.rejected.labels(key.job, key.group, reason.value).inc()
 
     def round_finished(
@@ -159,9 +167,31 @@ class CoordinatorMetrics:
         if straggler_wait_s is not None:
             series.straggler.observe(straggler_wait_s)
         for normalizer in outcome.normalizers:
+            series.terms.add(normalizer.term)
             labels = (key.job, key.group, normalizer.term)
             self.global_normalizer.labels(*labels).set(normalizer.value)
             self.zero_partial_ranks.labels(*labels).set(normalizer.zero_ranks)
+
+    def group_forgotten(self, job: str, group: str) -> None:
+        series = self._groups.pop((job, group), None)
+        if series is None:
+            return
+        jg = (job, group)
+        for metric in (
+            self.contributions,
+            self.retries,
+            self.in_flight,
+            self.round_duration,
+            self.straggler_wait,
+        ):
+            metric.remove(*jg)
+        for kind in series.rounds:
+            self.rounds.remove(*jg, kind.value)
+        for term in series.terms:
+            self.global_normalizer.remove(*jg, term)
+            self.zero_partial_ranks.remove(*jg, term)
+        for reason in series.reasons:
+            self.rejected.remove(*jg, reason.value)
 
     # -- the servicer's own -----------------------------------------------------
 

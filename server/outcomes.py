@@ -10,11 +10,12 @@ journal) persists outcomes before any rank can see them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
-from lossreduce.errors import InvalidPartialError, LossReduceError
+from lossreduce.errors import InvalidPartialError, LossReduceError, round_error
 
 __all__ = [
     "DIGEST_SIZE",
@@ -26,6 +27,7 @@ __all__ = [
     "RoundObserver",
     "RoundRecord",
     "TermNormalizerValue",
+    "key_error",
 ]
 
 DIGEST_SIZE = 8
@@ -38,6 +40,35 @@ class RoundKey(NamedTuple):
     job: str
     group: str
     step: int
+
+
+_E = TypeVar("_E", bound=LossReduceError)
+
+
+def key_error(
+    cls: type[_E],
+    key: RoundKey,
+    detail: str,
+    *,
+    rank: int | None = None,
+    terms: tuple[str, ...] = (),
+    values: tuple[float, ...] = (),
+    ranks: Sequence[int] = (),
+    limit: str = "",
+) -> _E:
+    """An error about round ``key``: its message starts by naming job, group and step."""
+    return round_error(
+        cls,
+        detail,
+        job=key.job,
+        group=key.group,
+        step=key.step,
+        rank=rank,
+        terms=terms,
+        values=values,
+        ranks=ranks,
+        limit=limit,
+    )
 
 
 class OutcomeKind(StrEnum):
@@ -143,6 +174,10 @@ class RoundObserver(Protocol):
     ) -> None:
         """A round ended; ``duration_s`` from first arrival, ``straggler_wait_s``
         between the last two arrivals (None when fewer than two ranks arrived)."""
+
+    def group_forgotten(self, job: str, group: str) -> None:
+        """The table forgot an idle group: no round of it is live or cached any more
+        (a later contribution starts it afresh)."""
 
 
 class OutcomeStore(Protocol):

@@ -11,23 +11,24 @@ than collected twice.
 
 Nothing here knows about gRPC or asyncio: the servicer passes ``now`` in,
 schedules each round's deadline itself, and keeps its own per-round state in
-:attr:`Round.handle`.
+:attr:`Round.handle`. The table decides; its parts judge and compute:
+:mod:`~lossreduce.contribution_check` and ``validation`` (a contribution alone,
+and against its round), ``summation`` (the exact sums), ``records`` (what the
+outcome store keeps of a round) and ``step_window`` (a group's rounds and stale
+steps).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import math
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 from lossreduce.contribution import Contribution
+from lossreduce.contribution_check import ContributionProblem, check_contribution
 from lossreduce.errors import (
     ConflictingContributionError,
-    ContractMismatchError,
     CoordinatorUnavailableError,
     EmptyNormalizerError,
     InvalidPartialError,
@@ -37,13 +38,11 @@ from lossreduce.errors import (
     RoundTimeoutError,
     StaleRoundError,
     format_terms,
-    round_error,
 )
-from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
+from lossreduce.rules import check_global_normalizer
 
 from .limits import check_request_names
 from .outcomes import (
-    DIGEST_SIZE,
     Outcome,
     OutcomeKind,
     OutcomeStore,
@@ -52,8 +51,13 @@ from .outcomes import (
     RoundObserver,
     RoundRecord,
     TermNormalizerValue,
+    key_error,
 )
+from .records import contribution_digest, record_of, restored_reference
 from .settings import CoordinatorSettings
+from .step_window import StepWindow
+from .summation import distinct, sum_terms
+from .validation import contract_mismatch, late_mismatch, reject_reason
 
 __all__ = ["Admission", "Contribution", "Round", "RoundTable"]
 
@@ -115,7 +119,7 @@ class Round:
         """Per-term exact sums of what has arrived (the normalizers once completed)."""
         if self.outcome is not None and self.outcome.kind is OutcomeKind.COMPLETED:
             return self.outcome.normalizers
-        return _sum_terms(self.reference.terms, _distinct(self.contributions))
+        return sum_terms(self.reference.terms, distinct(self.contributions))
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,251 +139,6 @@ class Admission:
     finished: bool = False
 
 
-class _Group:
-    __slots__ = ("evicted", "finished", "last_activity", "live", "newest_step", "stale_floor")
-
-    def __init__(self, now: float) -> None:
-        self.live: dict[int, Round] = {}
-        self.finished: OrderedDict[int, Round] = OrderedDict()
-        self.newest_step = -1
-        # Steps evicted from the cache: a new round for one could double-count a
-        # retry, so they are refused as stale. ``evicted`` holds them exactly, so a
-        # step sent out of order that never opened is not refused with them; the
-        # oldest fold into ``stale_floor`` (every step at or below it is refused)
-        # once the set outgrows what pipelined steps can leave behind.
-        self.evicted: set[int] = set()
-        self.stale_floor = -1
-        self.last_activity = now
-
-    def evict(self, step: int, settings: CoordinatorSettings) -> None:
-        self.evicted.add(step)
-        floor = max(self.stale_floor, self.newest_step - settings.retained_steps)
-        bound = settings.finished_cache_size + 2 * settings.max_rounds_in_flight
-        if len(self.evicted) > bound:
-            self.evicted = {e for e in self.evicted if e > floor}
-            while len(self.evicted) > bound:
-                oldest = min(self.evicted)
-                self.evicted.discard(oldest)
-                floor = max(floor, oldest)
-        while floor + 1 in self.evicted:
-            floor += 1
-            self.evicted.discard(floor)
-        self.stale_floor = floor
-
-    def is_stale(self, step: int, settings: CoordinatorSettings) -> int | None:
-        """The floor ``step`` is refused under (for the message), or None if not stale."""
-        floor = max(self.stale_floor, self.newest_step - settings.retained_steps)
-        if step <= floor:
-            return floor
-        if step in self.evicted:
-            return step
-        return None
-
-
-def _distinct(slots: list[Contribution | None]) -> list[Contribution]:
-    """Each arrived contribution once, in rank order (an aggregate fills several slots)."""
-    return [c for r, c in enumerate(slots) if c is not None and (not c.covers or c.covers[0] == r)]
-
-
-def _sum_terms(
-    terms: tuple[str, ...], contributions: list[Contribution]
-) -> tuple[TermNormalizerValue, ...]:
-    if any(c.covers for c in contributions):
-        return _sum_aggregated(terms, contributions)
-    # Rows in rank order, columns in the reference term order: [ranks, terms].
-    rows = [c.values if c.terms == terms else _reorder(c, terms) for c in contributions]
-    if not rows:
-        return tuple(TermNormalizerValue(t, 0.0, 0) for t in terms)
-    return tuple(
-        TermNormalizerValue(term, exact_sum(column), column.count(0.0))
-        for term, column in zip(terms, zip(*rows, strict=True), strict=True)
-    )
-
-
-def _sum_aggregated(
-    terms: tuple[str, ...], contributions: list[Contribution]
-) -> tuple[TermNormalizerValue, ...]:
-    # fsum over every rank's partial and every component of every aggregate's exact
-    # expansion: the same correctly rounded exact sum as over all ranks' partials.
-    parts: list[list[float]] = [[] for _ in terms]  # [terms][summands]
-    zeros = [0] * len(terms)
-    for c in contributions:
-        index = {t: i for i, t in enumerate(c.terms)}
-        for k, term in enumerate(terms):
-            i = index[term]
-            if c.covers:
-                parts[k].extend(c.expansions[i])
-                zeros[k] += c.zero_ranks[i]
-            else:
-                parts[k].append(c.values[i])
-                zeros[k] += c.values[i] == 0.0
-    return tuple(
-        TermNormalizerValue(term, exact_sum(summands), zero)
-        for term, summands, zero in zip(terms, parts, zeros, strict=True)
-    )
-
-
-def _expansion_sum(expansion: tuple[float, ...]) -> float:
-    try:
-        return math.fsum(expansion)
-    except (ValueError, OverflowError):  # inf - inf, or an overflowing exact sum
-        return math.nan
-
-
-def _check_cover(c: Contribution) -> _Invalid | None:
-    """An aggregated contribution's own consistency (its ranks were checked by the aggregator)."""
-    covers = c.covers
-    if covers[0] != c.rank or covers != tuple(sorted(set(covers))):
-        return _Invalid(
-            f"sent covered_ranks {list(covers)}; they must be strictly increasing and start "
-            "at the request's rank",
-            RejectReason.BAD_AGGREGATE,
-        )
-    if covers[-1] >= c.world_size:
-        return _Invalid(
-            f"covers rank {covers[-1]}, outside world_size {c.world_size}",
-            RejectReason.RANK_OUT_OF_RANGE,
-        )
-    n = len(c.terms)
-    if len(c.expansions) != n or len(c.zero_ranks) != n:
-        return _Invalid(
-            "sent an aggregated contribution without an expansion and zero count per term",
-            RejectReason.BAD_AGGREGATE,
-        )
-    # A non-finite component makes the sum non-finite (or NaN), which equals no value.
-    sums = tuple(map(_expansion_sum, c.expansions))
-    if sums == c.values and max(c.zero_ranks) <= len(covers):
-        return None
-    for term, value, total, expansion, zeros in zip(
-        c.terms, c.values, sums, c.expansions, c.zero_ranks, strict=True
-    ):
-        if total != value or zeros > len(covers):
-            return _Invalid(
-                f"sent a malformed aggregate for term {term!r}: value {value!r}, expansion "
-                f"{list(expansion)} (exact sum {total!r}), zero_ranks {zeros} of "
-                f"{len(covers)} ranks; the value must be the finite sum of the expansion",
-                RejectReason.BAD_AGGREGATE,
-                (term,),
-                (value,),
-            )
-    raise AssertionError("unreachable: some term failed the check above")
-
-
-def _reorder(contribution: Contribution, terms: tuple[str, ...]) -> tuple[float, ...]:
-    by_term = dict(zip(contribution.terms, contribution.values, strict=True))
-    return tuple(by_term[t] for t in terms)
-
-
-_E = TypeVar("_E", bound=LossReduceError)
-
-
-def _round_error(
-    cls: type[_E],
-    key: RoundKey,
-    detail: str,
-    *,
-    rank: int | None = None,
-    terms: tuple[str, ...] = (),
-    values: tuple[float, ...] = (),
-    ranks: Sequence[int] = (),
-    limit: str = "",
-) -> _E:
-    """An error about round ``key``: its message starts by naming job, group and step."""
-    return round_error(
-        cls,
-        detail,
-        job=key.job,
-        group=key.group,
-        step=key.step,
-        rank=rank,
-        terms=terms,
-        values=values,
-        ranks=ranks,
-        limit=limit,
-    )
-
-
-class _Invalid(NamedTuple):
-    """Why one contribution is invalid on its own (before looking at its round)."""
-
-    detail: str
-    reason: RejectReason
-    terms: tuple[str, ...] = ()
-    values: tuple[float, ...] = ()
-
-
-def _validate(c: Contribution, checked_terms: tuple[str, ...]) -> _Invalid | None:
-    """``checked_terms``: names already validated (the round's first contribution's)."""
-    if c.rank >= c.world_size:
-        return _Invalid(
-            f"is outside world_size {c.world_size} (ranks are 0..{c.world_size - 1})",
-            RejectReason.RANK_OUT_OF_RANGE,
-        )
-    if not c.terms:
-        return _Invalid("sent no partials", RejectReason.BAD_TERM_NAME)
-    if c.covers:
-        cover_problem = _check_cover(c)
-        if cover_problem is not None:
-            return cover_problem
-    if c.terms != checked_terms:
-        for term in c.terms:
-            problem = check_term_name(term)
-            if problem is not None:
-                return _Invalid(
-                    f"sent a malformed term: {problem}", RejectReason.BAD_TERM_NAME, (term,)
-                )
-        if len(set(c.terms)) != len(c.terms):
-            dupes = tuple(sorted({t for t in c.terms if c.terms.count(t) > 1}))
-            return _Invalid(
-                f"sent terms {list(dupes)} more than once", RejectReason.DUPLICATE_TERM, dupes
-            )
-    if all(0.0 <= v < math.inf for v in c.values):  # NaN fails every comparison
-        return None
-    bad = [(t, v, p) for t, v in zip(c.terms, c.values, strict=True) if (p := check_partial(v))]
-    if not bad:
-        return None
-    terms = tuple(t for t, _, _ in bad)
-    values = tuple(v for _, v, _ in bad)
-    return _Invalid(
-        f"sent invalid partial {format_terms(terms, values)}; partials must be finite and >= 0",
-        RejectReason(bad[0][2].value),
-        terms,
-        values,
-    )
-
-
-def _mismatch(key: RoundKey, ref: Contribution, c: Contribution) -> ContractMismatchError | None:
-    """The contract disagreement between ``c`` and the round's first contribution, if any."""
-    if c.world_size == ref.world_size and c.terms == ref.terms and c.contracts == ref.contracts:
-        return None
-    detail: str | None = None
-    terms: tuple[str, ...] = ()
-    if c.world_size != ref.world_size:
-        detail = f"world_size {c.world_size} but rank {ref.rank} sent world_size {ref.world_size}"
-    elif set(c.terms) != set(ref.terms):
-        detail = f"terms {sorted(c.terms)} but rank {ref.rank} sent terms {sorted(ref.terms)}"
-        terms = tuple(sorted(set(c.terms) ^ set(ref.terms)))
-    else:
-        ref_contracts = dict(zip(ref.terms, ref.contracts, strict=True))
-        for term, contract in zip(c.terms, c.contracts, strict=True):
-            if contract != ref_contracts[term]:
-                detail = (
-                    f"contract {contract!r} for term {term!r} "
-                    f"but rank {ref.rank} sent {ref_contracts[term]!r}"
-                )
-                terms = (term,)
-                break
-    if detail is None:
-        return None  # same terms and contracts, in another order
-    return _round_error(
-        ContractMismatchError,
-        key,
-        f"rank {c.rank} sent {detail}",
-        terms=terms,
-        ranks=(ref.rank, c.rank),
-    )
-
-
 class RoundTable:
     """Every live and recently finished round of every job and group.
 
@@ -396,7 +155,7 @@ class RoundTable:
         self._settings = settings
         self._observer = observer
         self._store = store
-        self._jobs: dict[str, dict[str, _Group]] = {}
+        self._jobs: dict[str, dict[str, StepWindow]] = {}
         self._live_count = 0
         self._closing = False
 
@@ -441,8 +200,8 @@ class RoundTable:
             if resent is not None:
                 return resent
 
-        # The first contribution's names were validated when it opened the round.
-        invalid = _validate(c, () if created else rnd.reference.terms)
+        # The first contribution's names were judged when it opened the round.
+        invalid = check_contribution(c, known_terms=() if created else rnd.reference.terms)
         if invalid is not None:
             return self._reject_invalid(rnd, c.rank, invalid, now, created)
         if rnd.outcome is not None:
@@ -450,12 +209,13 @@ class RoundTable:
             # a failure is every rank's, whatever it sent. Success is only for a rank
             # that agrees with the round's contract; one that disagrees never counted.
             if rnd.outcome.kind is OutcomeKind.COMPLETED:
-                late_mismatch = _late_mismatch(rnd, c)
-                if late_mismatch is not None:
-                    return Admission(None, late_mismatch)
+                completed = (n.term for n in rnd.outcome.normalizers)
+                late = late_mismatch(key, rnd.reference, completed, c)
+                if late is not None:
+                    return Admission(None, late)
             return Admission(rnd)
 
-        mismatch = _mismatch(key, rnd.reference, c)
+        mismatch = contract_mismatch(key, rnd.reference, c)
         if mismatch is not None:
             self._finish(rnd, Outcome(key, OutcomeKind.CONTRACT_MISMATCH, error=mismatch), now)
             return Admission(rnd, created=created, finished=True)
@@ -476,7 +236,7 @@ class RoundTable:
             return False
         missing = rnd.missing_ranks()
         key = rnd.key
-        err = _round_error(
+        err = key_error(
             RoundTimeoutError,
             key,
             f"timed out after {self._settings.round_timeout_s:g} s "
@@ -500,6 +260,8 @@ class RoundTable:
             for name, group in list(groups.items()):
                 if not group.live and now - group.last_activity >= ttl:
                     del groups[name]
+                    if self._observer is not None:
+                        self._observer.group_forgotten(job, name)
             if not groups:
                 del self._jobs[job]
         return ended
@@ -513,7 +275,7 @@ class RoundTable:
         ended = list(self._live_rounds())
         for rnd in ended:
             missing = rnd.missing_ranks()
-            err = _round_error(
+            err = key_error(
                 CoordinatorUnavailableError,
                 rnd.key,
                 f"the coordinator shut down before ranks {missing} arrived",
@@ -568,7 +330,7 @@ class RoundTable:
             if value > limit:
                 return self._limit(key, c.rank, name, f"{name.removeprefix('max_')} {value}", limit)
         if c.world_size == 0:
-            return _round_error(
+            return key_error(
                 InvalidPartialError,
                 key,
                 f"rank {c.rank} sent world_size 0",
@@ -581,7 +343,7 @@ class RoundTable:
     def _limit(
         key: RoundKey, rank: int | None, name: str, what: str, limit: int
     ) -> LimitExceededError:
-        return _round_error(
+        return key_error(
             LimitExceededError,
             key,
             f"{what} exceeds the coordinator limit {name}={limit}",
@@ -589,7 +351,9 @@ class RoundTable:
             limit=name,
         )
 
-    def _find(self, group: _Group | None, key: RoundKey, *, use_store: bool = True) -> Round | None:
+    def _find(
+        self, group: StepWindow | None, key: RoundKey, *, use_store: bool = True
+    ) -> Round | None:
         if group is not None:
             rnd = group.live.get(key.step) or group.finished.get(key.step)
             if rnd is not None:
@@ -600,10 +364,10 @@ class RoundTable:
                 return _restored(outcome)
         return None
 
-    def _refuse_new_round(self, group: _Group | None, key: RoundKey) -> LossReduceError | None:
+    def _refuse_new_round(self, group: StepWindow | None, key: RoundKey) -> LossReduceError | None:
         s = self._settings
         if self._closing:
-            return _round_error(
+            return key_error(
                 CoordinatorUnavailableError,
                 key,
                 "the coordinator is shutting down and opens no new rounds",
@@ -623,7 +387,7 @@ class RoundTable:
             return None
         floor = group.is_stale(key.step, s)
         if floor is not None:
-            return _round_error(
+            return key_error(
                 StaleRoundError,
                 key,
                 f"step is stale; the newest step of the group is "
@@ -641,12 +405,12 @@ class RoundTable:
             )
         return None
 
-    def _add_group(self, key: RoundKey, now: float) -> _Group:
-        group = _Group(now)
+    def _add_group(self, key: RoundKey, now: float) -> StepWindow:
+        group = StepWindow(now)
         self._jobs.setdefault(key.job, {})[key.group] = group
         return group
 
-    def _open(self, group: _Group, key: RoundKey, c: Contribution, now: float) -> Round:
+    def _open(self, group: StepWindow, key: RoundKey, c: Contribution, now: float) -> Round:
         rnd = Round(key, c, now, self._settings.round_timeout_s)
         group.live[key.step] = rnd
         group.newest_step = max(group.newest_step, key.step)
@@ -667,7 +431,7 @@ class RoundTable:
         self._notify_rejected(key, RejectReason.CONFLICTING)
         before = format_terms(previous.terms, previous.values)
         after = format_terms(c.terms, c.values)
-        err = _round_error(
+        err = key_error(
             ConflictingContributionError,
             key,
             f"rank {c.rank} already contributed {before} "
@@ -691,7 +455,7 @@ class RoundTable:
             self._notify_accepted(rnd.key, retry=True)
             return Admission(rnd)
         self._notify_rejected(rnd.key, RejectReason.CONFLICTING)
-        err = _round_error(
+        err = key_error(
             ConflictingContributionError,
             rnd.key,
             f"rank {c.rank} already contributed other partials to this round before the "
@@ -705,10 +469,10 @@ class RoundTable:
         return Admission(None, err)
 
     def _reject_invalid(
-        self, rnd: Round, rank: int, invalid: _Invalid, now: float, created: bool
+        self, rnd: Round, rank: int, invalid: ContributionProblem, now: float, created: bool
     ) -> Admission:
         key = rnd.key
-        culprit = _round_error(
+        culprit = key_error(
             InvalidPartialError,
             key,
             f"rank {rank} {invalid.detail}",
@@ -721,10 +485,10 @@ class RoundTable:
         if outcome is not None:
             if outcome.culprit is not None and outcome.culprit.rank == rank:
                 return Admission(rnd)  # the culprit retrying gets its own answer again
-            self._notify_rejected(key, invalid.reason)
+            self._notify_rejected(key, reject_reason(invalid))
             return Admission(None, culprit)
-        self._notify_rejected(key, invalid.reason)
-        aborted = _round_error(
+        self._notify_rejected(key, reject_reason(invalid))
+        aborted = key_error(
             RoundAbortedError,
             key,
             f"aborted because rank {rank} {invalid.detail}",
@@ -738,13 +502,13 @@ class RoundTable:
 
     def _complete(self, rnd: Round) -> Outcome:
         key = rnd.key
-        normalizers = _sum_terms(rnd.reference.terms, _distinct(rnd.contributions))
+        normalizers = sum_terms(rnd.reference.terms, distinct(rnd.contributions))
         bad = [n for n in normalizers if check_global_normalizer(n.value) is not None]
         if not bad:
             return Outcome(key, OutcomeKind.COMPLETED, normalizers=normalizers)
         terms = tuple(n.term for n in bad)
         values = tuple(n.value for n in bad)
-        err = _round_error(
+        err = key_error(
             EmptyNormalizerError,
             key,
             f"global normalizer {format_terms(terms, values)} is not "
@@ -758,18 +522,14 @@ class RoundTable:
         assert rnd.outcome is None, f"round {rnd.key} finished twice"
         if self._store is not None and outcome.kind is not OutcomeKind.ABORTED_SHUTDOWN:
             # Durable before any rank can see it (a restarted coordinator answers retries from it).
-            outcome = dataclasses.replace(outcome, record=_record(rnd))
+            outcome = dataclasses.replace(
+                outcome, record=record_of(rnd.reference, rnd.contributions)
+            )
             self._store.put(outcome)
         rnd.outcome = outcome
         rnd.finished_at = now
-        groups = self._jobs[rnd.key.job]
-        group = groups[rnd.key.group]
-        del group.live[rnd.key.step]
+        self._jobs[rnd.key.job][rnd.key.group].retire(rnd, self._settings)
         self._live_count -= 1
-        group.finished[rnd.key.step] = rnd
-        while len(group.finished) > self._settings.finished_cache_size:
-            step, _ = group.finished.popitem(last=False)
-            group.evict(step, self._settings)
         if self._observer is not None:
             previous, last = rnd.previous_arrival, rnd.last_arrival
             wait = None if previous is None or last is None else last - previous
@@ -778,84 +538,14 @@ class RoundTable:
             )
 
 
-def contribution_digest(c: Contribution) -> bytes:
-    """``DIGEST_SIZE`` bytes identifying ``c`` exactly (what a restarted round compares a
-    re-send against); never all zeros."""
-    # repr round-trips every float exactly; + 0.0 makes -0.0 equal 0.0, as == does.
-    text = repr(
-        (
-            c.rank,
-            c.world_size,
-            c.terms,
-            tuple([v + 0.0 for v in c.values]),
-            c.contracts,
-            c.covers,
-            c.expansions,
-            c.zero_ranks,
-        )
-    )
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
-    return digest if any(digest) else b"\x01" * DIGEST_SIZE
-
-
-def _record(rnd: Round) -> RoundRecord:
-    """What the store keeps of ``rnd``'s contributions (see :class:`RoundRecord`)."""
-    ref = rnd.reference
-    empty = bytes(DIGEST_SIZE)
-    digests: dict[int, bytes] = {}  # by id of the contribution: an aggregate fills several slots
-    parts = []
-    for c in rnd.contributions:
-        if c is None:
-            parts.append(empty)
-            continue
-        digest = digests.get(id(c))
-        if digest is None:
-            digest = digests[id(c)] = contribution_digest(c)
-        parts.append(digest)
-    return RoundRecord(ref.rank, ref.world_size, ref.terms, ref.contracts, b"".join(parts))
-
-
-def _late_mismatch(rnd: Round, c: Contribution) -> ContractMismatchError | None:
-    """How ``c``, arriving at the finished round ``rnd`` without a slot of its own,
-    disagrees with the round's contract, if it does."""
-    if rnd.world_size:
-        return _mismatch(rnd.key, rnd.reference, c)
-    # Restored from a journal written before rounds kept their contract: only a
-    # completed round's term names are known.
-    outcome = rnd.outcome
-    assert outcome is not None
-    known = {n.term for n in outcome.normalizers}
-    if not known or set(c.terms) == known:
-        return None
-    return _round_error(
-        ContractMismatchError,
-        rnd.key,
-        f"rank {c.rank} sent terms {sorted(c.terms)} but the round completed "
-        f"with terms {sorted(known)}",
-        terms=tuple(sorted(set(c.terms) ^ known)),
-        ranks=(c.rank,),
-    )
-
-
 def _restored(outcome: Outcome) -> Round:
     """A finished round rebuilt from the outcome store.
 
     Its contributions are not kept, only its contract and one digest per arrived rank
     (``outcome.record``; None in journals written before records existed).
     """
-    record = outcome.record
-    if record is None:
-        reference = Contribution(rank=0, world_size=0, terms=(), values=(), contracts=())
-    else:
-        reference = Contribution(
-            rank=record.reference_rank,
-            world_size=record.world_size,
-            terms=record.terms,
-            values=(),
-            contracts=record.contracts,
-        )
-    rnd = Round(outcome.key, reference, 0.0, 0.0)
+    rnd = Round(outcome.key, restored_reference(outcome.record), 0.0, 0.0)
     rnd.outcome = outcome
-    rnd.record = record
+    rnd.record = outcome.record
     rnd.finished_at = 0.0
     return rnd

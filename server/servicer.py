@@ -19,13 +19,15 @@ import grpc
 from google.rpc import status_pb2
 from grpc_status import rpc_status
 
-from lossreduce.errors import ContractMismatchError, LossReduceError, round_error, to_status
+from lossreduce.errors import LossReduceError
+from lossreduce.status_codec import to_status
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 from .metrics import CoordinatorMetrics
 from .outcomes import OutcomeKind, RoundKey
 from .round_table import Admission, Contribution, Round, RoundTable
+from .validation import completed_terms_mismatch
 
 __all__ = ["CoordinatorServicer", "round_status"]
 
@@ -75,19 +77,6 @@ def _normalizers(rnd: Round, terms: tuple[str, ...]) -> list[pb.TermNormalizer]:
     ]
 
 
-def _term_mismatch(key: RoundKey, c: Contribution, terms: tuple[str, ...]) -> LossReduceError:
-    return round_error(
-        ContractMismatchError,
-        f"rank {c.rank} sent terms {sorted(c.terms)} but the round completed with terms "
-        f"{sorted(terms)}",
-        job=key.job,
-        group=key.group,
-        step=key.step,
-        terms=tuple(sorted(set(c.terms) ^ set(terms))),
-        ranks=(c.rank,),
-    )
-
-
 def _answer(rnd: Round, c: Contribution) -> _Answer:
     """What rank ``c.rank`` receives for the finished round ``rnd``, encoded once per round."""
     outcome = rnd.outcome
@@ -103,10 +92,11 @@ def _answer(rnd: Round, c: Contribution) -> _Answer:
             wire.ok = (response, None)
         if c.terms == wire.ok_terms:
             return wire.ok
-        if set(c.terms) != set(wire.ok_terms):
+        mismatch = completed_terms_mismatch(rnd.key, c, wire.ok_terms)
+        if mismatch is not None:
             # The table answers such a contribution with its own error; never crash the
             # call (or a stream with requests queued behind it) if one slips through.
-            return _error_answer(rnd.key, _term_mismatch(rnd.key, c, wire.ok_terms))
+            return _error_answer(rnd.key, mismatch)
         # This rank listed the same terms in another order: answer in its order.
         return pb.ReduceResponse(
             round=_key_proto(rnd.key), normalizers=_normalizers(rnd, c.terms)

@@ -1,7 +1,7 @@
 """The coordinator's one settings model: CLI flags and ``LOSSREDUCE_*`` variables.
 
 Every field maps onto a ``lossreduce serve`` flag (``round_timeout_s`` ->
-``--round-timeout``; see :mod:`lossreduce.server.cli`) and onto an environment
+``--round-timeout-s``; see :mod:`lossreduce.settings_cli`) and onto an environment
 variable (``LOSSREDUCE_ROUND_TIMEOUT_S``). Flags win over the environment,
 which wins over the defaults.
 """
@@ -14,7 +14,12 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["CoordinatorSettings"]
+__all__ = ["SERVE_JOURNAL", "CoordinatorSettings"]
+
+SERVE_JOURNAL = Path("lossreduce-journal.sqlite3")
+"""The journal ``lossreduce serve`` keeps (in its working directory) unless ``--journal``
+or LOSSREDUCE_JOURNAL says otherwise; also :class:`~lossreduce.server.journal.JournalSettings`'
+default path."""
 
 
 class CoordinatorSettings(BaseSettings):
@@ -105,7 +110,7 @@ class CoordinatorSettings(BaseSettings):
         default=None,
         description="SQLite journal of finished rounds, written before any rank is answered; a "
         "coordinator restarted on it answers retried contributions identically. `lossreduce "
-        "serve` defaults to ./lossreduce-journal.sqlite3 ('none' turns it off); embedded "
+        f"serve` defaults to ./{SERVE_JOURNAL} ('none' turns it off); embedded "
         "coordinators (CoordinatorThread) keep none unless set.",
     )
     journal_sync: Literal["normal", "full"] = Field(
@@ -121,9 +126,9 @@ class CoordinatorSettings(BaseSettings):
     journal_retain_s: float = Field(
         default=600.0,
         gt=0,
-        description="Seconds a finished round stays in the journal. Only retries need it, so keep "
-        "it above the clients' retry budget plus a restart; a rerun of a job name after this "
-        "long starts afresh.",
+        description="Seconds a finished round stays in the journal (the one default of the "
+        "journal's retention). Only retries need it, so keep it above the clients' retry budget "
+        "plus a restart; a rerun of a job name after this long starts afresh.",
     )
     token_file: Path | None = Field(
         default=None,

@@ -19,7 +19,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_status import rpc_status
 
-from lossreduce.errors import InvalidPartialError, to_status
+from lossreduce.errors import InvalidPartialError
+from lossreduce.status_codec import to_status
 
 from .handler_wrap import Handler, checked
 

@@ -1,6 +1,7 @@
 """Fixtures shared by every test package: a real coordinator on free loopback ports.
 
-- ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago.
+- ``free_port`` (a fixture, and :func:`lossreduce.ports.free_port` itself):
+  a TCP port on 127.0.0.1 that was free a moment ago.
 - ``coordinator_factory(**overrides)``: start a :class:`CoordinatorThread`
   (gRPC on port 0, metrics on port 0, 2 s round timeout, 0.5 s shutdown grace
   unless overridden by :class:`CoordinatorSettings` field names); every one it
@@ -10,16 +11,18 @@
   indirectly with a dict of overrides:
   ``@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 0.5}], indirect=True)``.
 - ``ranks``: raw generated stubs talking to ``coordinator`` (``tests.raw_stub``).
+- ``flag_error(main, argv, capsys, prog)``: run a command's ``main`` on bad flags,
+  check it exits 2 with one line ``PROG: error: ...``, return that message.
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 
+from lossreduce.ports import free_port
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from tests.raw_stub import Ranks
 
@@ -35,18 +38,25 @@ TEST_SETTINGS: dict[str, Any] = {
 """What the coordinator fixtures change from the production defaults."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free when asked (another process may take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(name="free_port")
 def free_port_fixture() -> Callable[[], int]:
     """``free_port()`` as a fixture: call it for each port you need."""
     return free_port
+
+
+def flag_error(
+    main: Callable[[Sequence[str]], int],
+    argv: Sequence[str],
+    capsys: pytest.CaptureFixture[str],
+    prog: str,
+) -> str:
+    """``main(argv)`` must exit 2 printing exactly one line, ``PROG: error: MESSAGE``
+    (every ``lossreduce`` command reports bad flags so); returns ``MESSAGE``."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"{prog}: error: "), err
+    return err.removeprefix(f"{prog}: error: ").rstrip("\n")
 
 
 @pytest.fixture

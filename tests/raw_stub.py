@@ -18,7 +18,9 @@ import grpc
 from google.rpc import code_pb2
 from grpc_status import rpc_status
 
-from lossreduce.errors import LossReduceError, from_status
+from lossreduce.contribution import Contribution
+from lossreduce.errors import LossReduceError
+from lossreduce.status_codec import from_status
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
@@ -40,15 +42,15 @@ class Send:
 
     def request(self) -> pb.ReduceRequest:
         contracts = self.contracts or {}
-        return pb.ReduceRequest(
-            round=pb.RoundKey(job=self.job, group=self.group, step=self.step),
+        terms = tuple(self.partials)
+        contribution = Contribution(
             rank=self.rank,
             world_size=self.world_size,
-            partials=[
-                pb.TermPartial(term=t, value=v, contract=contracts.get(t, "mean:token_mean"))
-                for t, v in self.partials.items()
-            ],
+            terms=terms,
+            values=tuple(self.partials.values()),
+            contracts=tuple(contracts.get(t, "mean:token_mean") for t in terms),
         )
+        return contribution.request(pb.RoundKey(job=self.job, group=self.group, step=self.step))
 
 
 Answer = pb.ReduceResponse | LossReduceError

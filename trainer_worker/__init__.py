@@ -4,7 +4,7 @@ A loss is a :class:`LossReduction` of named :class:`LossTerm` s; each term's
 share of the global loss is its local value scaled by its local normalizer
 over the global normalizer, which a :class:`GlobalNormalizer` backend sums
 over ranks (one process, torch.distributed, or the coordinator). See
-``shared/docs/reduction-semantics.md`` for the formulas.
+``docs/reduction-semantics.md`` for the formulas.
 """
 
 from lossreduce.trainer_worker.engine import (

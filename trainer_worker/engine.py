@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lossreduce.errors import EmptyNormalizerError
+from lossreduce.errors import EmptyNormalizerError, ReductionConfigError, ReductionInputError
 from lossreduce.trainer_worker.normalizers import GlobalNormalizer, OnEmptyStep
 from lossreduce.trainer_worker.policy_gradient import forced_local_sums
 from lossreduce.trainer_worker.reduction import (
@@ -122,12 +122,12 @@ class EvalResult:
 def combine_eval(results_in_rank_order: Sequence[EvalResult]) -> EvalResult:
     """Every rank's :class:`EvalResult` of one step -> the global values (exact sums)."""
     if not results_in_rank_order:
-        raise ValueError("combine_eval needs the EvalResult of at least one rank")
+        raise ReductionInputError("combine_eval needs the EvalResult of at least one rank")
     first = results_in_rank_order[0]
     steps = {r.step for r in results_in_rank_order}
     names = {tuple(r.terms) for r in results_in_rank_order}
     if len(steps) != 1 or len(names) != 1:
-        raise ValueError(
+        raise ReductionInputError(
             f"combine_eval got results of steps {sorted(steps)} and terms {sorted(names)}"
         )
     terms = {k: math.fsum(r.terms[k] for r in results_in_rank_order) for k in first.terms}
@@ -201,7 +201,9 @@ def eval_batch_with_reduction(
 def _call_model(model: nn.Module, microbatch: Batch) -> Tensor:
     output = model(microbatch)
     if not isinstance(output, Tensor):
-        raise TypeError(f"model(microbatch) returned {type(output).__name__}; pass a forward_fn")
+        raise ReductionConfigError(
+            f"model(microbatch) returned {type(output).__name__}; pass a forward_fn"
+        )
     return output
 
 
@@ -240,13 +242,15 @@ class TorchTrainEngine:
         start_step: int = 0,
     ) -> None:
         if on_empty_step not in ("raise", "skip"):
-            raise ValueError(f"on_empty_step={on_empty_step!r} must be 'raise' or 'skip'")
+            raise ReductionConfigError(f"on_empty_step={on_empty_step!r} must be 'raise' or 'skip'")
         if grad_average_world_size < 1:
-            raise ValueError(f"grad_average_world_size={grad_average_world_size} must be >= 1")
+            raise ReductionConfigError(
+                f"grad_average_world_size={grad_average_world_size} must be >= 1"
+            )
         if isinstance(model, DistributedDataParallel):
             ddp_world = torch.distributed.get_world_size(model.process_group)
             if grad_average_world_size != ddp_world:
-                raise ValueError(
+                raise ReductionConfigError(
                     f"the model is DDP over {ddp_world} ranks, which averages gradients; set "
                     f"grad_average_world_size={ddp_world} (got {grad_average_world_size}) so the "
                     "scaled losses undo that division"

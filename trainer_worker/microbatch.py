@@ -19,9 +19,12 @@ import itertools
 from typing import Self
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 from torch import Tensor
 
+from lossreduce.errors import ReductionConfigError, ReductionInputError
+from lossreduce.trainer_worker.policy_gradient import checked_group_sizes, packed_lengths
 from lossreduce.trainer_worker.reduction import Batch
 
 __all__ = ["MicrobatchSettings", "MicrobatchSplitter", "split_microbatches"]
@@ -30,7 +33,12 @@ _MASK_KEYS = ("loss_mask", "denominator_mask")
 
 
 class MicrobatchSettings(BaseModel):
-    """How a rank's batch is cut into microbatches (set exactly one field)."""
+    """How a rank's batch is cut into microbatches (set exactly one field).
+
+    Constructing it with bad values raises
+    :class:`~lossreduce.errors.ReductionConfigError` (a ``ValueError``) naming
+    every field and value at fault, like every other failure of the library.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -47,14 +55,32 @@ class MicrobatchSettings(BaseModel):
         "first-fit-decreasing finds; a group larger than this gets a microbatch of its own.",
     )
 
+    def __init__(self, *, n_microbatches: int | None = None, max_tokens: int | None = None) -> None:
+        try:
+            super().__init__(n_microbatches=n_microbatches, max_tokens=max_tokens)
+        except ValidationError as err:
+            problems = "; ".join(_describe_problem(e) for e in err.errors())
+            raise ReductionConfigError(
+                f"MicrobatchSettings(n_microbatches={n_microbatches!r}, "
+                f"max_tokens={max_tokens!r}): {problems}"
+            ) from None
+
     @model_validator(mode="after")
     def _exactly_one(self) -> Self:
         if (self.n_microbatches is None) == (self.max_tokens is None):
+            # pydantic wants a ValueError here; __init__ turns it into ReductionConfigError.
             raise ValueError(
                 f"set exactly one of n_microbatches ({self.n_microbatches}) and max_tokens "
                 f"({self.max_tokens})"
             )
         return self
+
+
+def _describe_problem(error: ErrorDetails) -> str:
+    # pydantic prefixes a validator's own ValueError with "Value error, ".
+    message = error["msg"].removeprefix("Value error, ")
+    field = ".".join(str(part) for part in error["loc"])
+    return f"{field}: {message}" if field else message
 
 
 class MicrobatchSplitter:
@@ -73,11 +99,13 @@ class MicrobatchSplitter:
 def _sizes(batch: Batch) -> tuple[int, list[int], Tensor | None]:
     """(number of responses, tokens per response, cu_seqlens or None)."""
     if "loss_mask" not in batch:
-        raise ValueError(f"a batch needs 'loss_mask' to be split; it holds {sorted(batch)}")
+        raise ReductionInputError(
+            f"a batch needs 'loss_mask' to be split; it holds {sorted(batch)}"
+        )
     cu = batch.get("cu_seqlens")
     if cu is not None:
-        offsets = [int(v) for v in cu.tolist()]
-        return len(offsets) - 1, [b - a for a, b in itertools.pairwise(offsets)], cu
+        lengths = packed_lengths(cu, batch["loss_mask"].shape[0])
+        return len(lengths), lengths, cu
     n = batch["loss_mask"].shape[0]
     if "attention_mask" in batch:
         return n, [int(v) for v in batch["attention_mask"].reshape(n, -1).sum(dim=1).tolist()], None
@@ -86,15 +114,10 @@ def _sizes(batch: Batch) -> tuple[int, list[int], Tensor | None]:
 
 
 def _groups(batch: Batch, n_sequences: int) -> list[int]:
-    sizes_tensor = batch.get("group_sizes")
-    if sizes_tensor is None:
+    sizes = batch.get("group_sizes")
+    if sizes is None:
         return [1] * n_sequences
-    sizes = [int(v) for v in sizes_tensor.tolist()]
-    if any(s < 1 for s in sizes) or sum(sizes) != n_sequences:
-        raise ValueError(
-            f"group_sizes={sizes} must be >= 1 and sum to the {n_sequences} responses of the batch"
-        )
-    return sizes
+    return checked_group_sizes(sizes, n_sequences)
 
 
 def _assign(weights: list[int], settings: MicrobatchSettings) -> list[list[int]]:
@@ -150,23 +173,23 @@ def split_microbatches(batch: Batch, settings: MicrobatchSettings) -> list[dict[
         ):
             token_keys.add(key)
         elif lead != n_seq:
-            raise ValueError(
+            raise ReductionInputError(
                 f"batch[{key!r}] has leading size {lead}; expected {n_seq} (responses)"
                 + (f" or {total_tokens} (packed tokens)" if cu is not None else "")
             )
         elif cu is not None and lead == total_tokens:
-            raise ValueError(
+            raise ReductionInputError(
                 f"batch[{key!r}] has leading size {lead}, which is both the number of responses "
                 f"and of packed tokens with lengths {lengths}; cannot tell how to split it"
             )
 
+    offsets = list(itertools.accumulate(lengths, initial=0))  # [B + 1]
     microbatches: list[dict[str, Tensor]] = []
     for groups in _assign(weights, settings):
         seqs = [s for g in groups for s in range(starts[g], starts[g] + group_sizes[g])]
         seq_index = torch.tensor(seqs, dtype=torch.long)
         mb: dict[str, Tensor] = {}
         if cu is not None:
-            offsets = [int(v) for v in cu.tolist()]
             token_index = torch.tensor(
                 [t for s in seqs for t in range(offsets[s], offsets[s + 1])], dtype=torch.long
             )

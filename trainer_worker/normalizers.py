@@ -12,16 +12,27 @@ over ranks) or raises. All three backends judge the same way, with the rules of
 - :class:`EmptyNormalizerError` on every rank when a global normalizer is not
   finite and > 0 (naming job, step, terms and values).
 
+A rank whose request is malformed (a bad term name, contracts that do not
+name exactly its terms, a partial that is not one number) still takes part
+in the round, so that its peers fail at once instead of waiting: it raises
+:class:`InvalidPartialError` saying what was wrong, its peers a
+:class:`ContractMismatchError` (torch.distributed) or a
+:class:`RoundAbortedError` naming it (coordinator).
+
 No rank ever returns normalizers while a peer raises: that is how distributed
 jobs deadlock. Global sums are ``math.fsum`` over the partials in rank order,
-so every backend gives bit-identical normalizers for the same data.
+so every backend gives bit-identical normalizers for the same data, and every
+backend returns them in the caller's term order (the order of ``partials``).
+``contracts`` is optional everywhere: ``None`` sends the empty contract for
+every term.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -32,8 +43,10 @@ from lossreduce.errors import (
     ContractMismatchError,
     EmptyNormalizerError,
     InvalidPartialError,
+    LossReduceError,
     RankContext,
     RoundAbortedError,
+    UsageError,
     format_terms,
 )
 from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
@@ -59,31 +72,55 @@ class GlobalNormalizer(Protocol):
     """Sums per-term partials over all ranks of one step."""
 
     def reduce(
-        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
     ) -> dict[str, Tensor]:
-        """Every term's global normalizer (float64 0-d, on the partials' device)."""
+        """Every term's global normalizer (float64 0-d, on the partials' device),
+        in the order of ``partials``."""
         ...
 
 
-def _local_values(
-    rnd: RankContext, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
-) -> tuple[list[str], list[float], list[str]]:
-    """(term names sorted, their float partials, their contracts); a malformed request raises."""
+def _problems(partials: Mapping[str, Tensor], contracts: Mapping[str, str] | None) -> list[str]:
+    """Why this rank's request is malformed (empty when it is not)."""
     problems = [why for why in map(check_term_name, partials) if why is not None]
     if not partials:
         problems.append("no terms were sent")
-    if set(contracts) != set(partials):
+    if contracts is not None and set(contracts) != set(partials):
         problems.append(f"contracts name {sorted(contracts)} but partials name {sorted(partials)}")
     shapes = {name: tuple(p.shape) for name, p in partials.items() if p.numel() != 1}
     if shapes:
         problems.append(f"a partial is one number, but got shapes {shapes}")
+    return problems
+
+
+def _malformed(
+    rnd: RankContext, problems: Sequence[str], terms: Iterable[str]
+) -> InvalidPartialError:
+    return rnd.error(
+        InvalidPartialError, f"malformed request: {'; '.join(problems)}", terms=sorted(terms)
+    )
+
+
+def _scalar(partial: Tensor) -> float:
+    """A one-element partial (any shape) as a double."""
+    return float(partial.detach().to(torch.float64).reshape(()))
+
+
+def _local_values(
+    rnd: RankContext, partials: Mapping[str, Tensor], contracts: Mapping[str, str] | None
+) -> tuple[list[str], list[float], list[str]]:
+    """(term names sorted, their float partials, their contracts); a malformed request raises.
+
+    Sorted, so ranks that list the same terms in another order exchange the same rows.
+    """
+    problems = _problems(partials, contracts)
     if problems:
-        raise rnd.error(
-            InvalidPartialError, f"malformed request: {'; '.join(problems)}", terms=sorted(partials)
-        )
+        raise _malformed(rnd, problems, partials)
     terms = sorted(partials)
-    values = [float(partials[t].detach().to(torch.float64).reshape(())) for t in terms]
-    return terms, values, [contracts[t] for t in terms]
+    values = [_scalar(partials[t]) for t in terms]
+    return terms, values, [contracts[t] if contracts is not None else "" for t in terms]
 
 
 def _invalid(
@@ -121,9 +158,13 @@ def _raise_for_invalid(
 
 
 def _finish(
-    rnd: RankContext, terms: Sequence[str], totals: Sequence[float], device: torch.device
+    rnd: RankContext,
+    terms: Sequence[str],
+    totals: Sequence[float],
+    device: torch.device,
+    order: Iterable[str],
 ) -> dict[str, Tensor]:
-    """Check every global normalizer is finite and > 0 and return them as tensors."""
+    """Check every global normalizer is finite and > 0; return them in ``order``."""
     bad = [
         (t, v) for t, v in zip(terms, totals, strict=True) if check_global_normalizer(v) is not None
     ]
@@ -136,10 +177,8 @@ def _finish(
             terms=names,
             values=values,
         )
-    return {
-        t: torch.tensor(v, dtype=torch.float64, device=device)
-        for t, v in zip(terms, totals, strict=True)
-    }
+    total_of = dict(zip(terms, totals, strict=True))
+    return {t: torch.tensor(total_of[t], dtype=torch.float64, device=device) for t in order}
 
 
 def _device(partials: Mapping[str, Tensor]) -> torch.device:
@@ -157,12 +196,15 @@ class LocalNormalizer:
         return f"LocalNormalizer(job={self.job!r}, group={self.group!r})"
 
     def reduce(
-        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
     ) -> dict[str, Tensor]:
         rnd = RankContext(self.job, self.group, step, 0)
         terms, values, _ = _local_values(rnd, partials, contracts)
         _raise_for_invalid(rnd, [values], terms)
-        return _finish(rnd, terms, [exact_sum([v]) for v in values], _device(partials))
+        return _finish(rnd, terms, [exact_sum([v]) for v in values], _device(partials), partials)
 
 
 def _contract_digest(step: int, terms: Sequence[str], contracts: Sequence[str]) -> list[float]:
@@ -205,9 +247,12 @@ class TorchDistributedNormalizer:
         group: str = "default",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "TorchDistributedNormalizer needs an initialized torch.distributed process "
-                "group (call torch.distributed.init_process_group first)"
+            raise UsageError(
+                f"TorchDistributedNormalizer for job {job!r} group {group!r} needs an "
+                "initialized torch.distributed process group (call "
+                "torch.distributed.init_process_group first)",
+                job=job,
+                group=group,
             )
         self.process_group = process_group
         self.job = job
@@ -228,7 +273,10 @@ class TorchDistributedNormalizer:
         return [[float(v) for v in r.tolist()] for r in rows]
 
     def reduce(
-        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
     ) -> dict[str, Tensor]:
         rnd = RankContext(self.job, self.group, step, self.rank)
         device = _device(partials)
@@ -254,12 +302,24 @@ class TorchDistributedNormalizer:
         rows = self._gather(values, device)
         _raise_for_invalid(rnd, rows, terms)
         totals = [exact_sum(row[i] for row in rows) for i in range(len(terms))]
-        return _finish(rnd, terms, totals, device)
+        return _finish(rnd, terms, totals, device, partials)
 
 
 class SupportsReduce(Protocol):
     """What :class:`CoordinatorNormalizer` needs of the coordinator client
-    (:class:`lossreduce.client.ReductionClient`)."""
+    (:class:`lossreduce.client.ReductionClient`): its identity and ``reduce``."""
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def group(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     def reduce(
         self,
@@ -274,29 +334,46 @@ class CoordinatorNormalizer:
 
     The coordinator applies the rules of :mod:`lossreduce.rules` to every
     rank's partials and answers every rank with the same normalizers or the
-    same error type; the client raises it here. Local partials are not
-    pre-validated: an invalid one must reach the coordinator so that the
-    peers learn of it (:class:`RoundAbortedError`) instead of timing out.
+    same error type; the client raises it here, naming the client's job,
+    group and rank. Partials are not pre-validated: an invalid one must reach
+    the coordinator so that the peers learn of it (:class:`RoundAbortedError`)
+    instead of timing out. A malformed request is sent too, with a NaN partial
+    for every term it names, so the coordinator aborts the round for the
+    peers; this rank then raises :class:`InvalidPartialError` saying what was
+    malformed (chained to the coordinator's answer).
     """
 
-    def __init__(
-        self, client: SupportsReduce, *, job: str = "", group: str = "", rank: int = 0
-    ) -> None:
-        # job/group/rank only label this side's own check of the answer; the
-        # client's errors already carry the coordinator's context.
+    def __init__(self, client: SupportsReduce) -> None:
         self.client = client
-        self.job = job
-        self.group = group
-        self.rank = rank
 
     def __repr__(self) -> str:
         return f"CoordinatorNormalizer({self.client!r})"
 
     def reduce(
-        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
     ) -> dict[str, Tensor]:
-        rnd = RankContext(self.job, self.group, step, self.rank)
-        terms, values, _ = _local_values(rnd, partials, contracts)
-        answer = self.client.reduce(step, dict(zip(terms, values, strict=True)), dict(contracts))
-        terms = sorted(answer)
-        return _finish(rnd, terms, [answer[t] for t in terms], _device(partials))
+        client = self.client
+        rnd = RankContext(client.job, client.group, step, client.rank)
+        problems = _problems(partials, contracts)
+        if not problems:
+            values = {t: _scalar(p) for t, p in partials.items()}
+            answer = client.reduce(step, values, contracts)
+            terms = sorted(answer)
+            if terms != sorted(partials):
+                raise rnd.error(
+                    LossReduceError,
+                    f"the coordinator answered terms {terms} for partials {sorted(partials)}",
+                    terms=sorted(set(terms) ^ set(partials)),
+                )
+            return _finish(rnd, terms, [answer[t] for t in terms], _device(partials), partials)
+        named = [*partials, *(t for t in contracts or {} if t not in partials)]
+        local = _malformed(rnd, problems, named)
+        poisoned = dict.fromkeys(named, math.nan)
+        try:
+            client.reduce(step, poisoned, {t: (contracts or {}).get(t, "") for t in named})
+        except LossReduceError as answer:
+            raise local from answer
+        raise local

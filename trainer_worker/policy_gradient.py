@@ -1,6 +1,6 @@
 """The four policy-gradient reductions: token, sequence, prompt and constant means.
 
-``shared/docs/reduction-semantics.md`` is the contract. Each mode turns per-token
+``docs/reduction-semantics.md`` is the contract. Each mode turns per-token
 losses ``l`` under a numerator mask ``m`` (``loss_mask``) and a denominator mask
 ``d`` (``denominator_mask``, default ``m``) into a microbatch's local value and
 its local normalizer ``n`` (the count of active units):
@@ -15,7 +15,12 @@ its local normalizer ``n`` (the count of active units):
 or the value itself (``local_mean=False``, a sum term); ``normalizer`` returns
 ``n``. Both read the same masks through one code path, so they always count the
 same units. Inputs are padded ``[B, T]`` or packed 1-D ``[total_tokens]`` with
-``cu_seqlens`` ``[B + 1]``; both give the same result.
+``cu_seqlens`` ``[B + 1]``; both give the same result. A microbatch without
+sequences (padded ``[0, T]``, packed with ``cu_seqlens = [0]``, no groups) is
+valid in every mode: value 0, normalizer 0, zero gradients.
+
+Bad settings raise :class:`~lossreduce.errors.ReductionConfigError`, malformed
+inputs :class:`~lossreduce.errors.ReductionInputError` (both ``ValueError`` s).
 
 Masked positions never enter arithmetic: the loss is selected with
 ``torch.where`` before any sum, so a NaN or inf in a masked token neither
@@ -28,15 +33,18 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, SupportsIndex
 
 import torch
 from torch import Tensor
+
+from lossreduce.errors import ReductionConfigError, ReductionInputError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -46,7 +54,9 @@ if TYPE_CHECKING:
 __all__ = [
     "PolicyGradientMode",
     "PolicyGradientReduction",
+    "checked_group_sizes",
     "forced_local_sums",
+    "packed_lengths",
     "zero_masked",
 ]
 
@@ -85,7 +95,7 @@ def zero_masked(values: Tensor, mask: Tensor) -> Tensor:
     ``0 * nan = nan`` into the gradient of whatever produced the NaN.
     """
     if values.shape != mask.shape:
-        raise ValueError(
+        raise ReductionInputError(
             f"zero_masked: values has shape {tuple(values.shape)} but mask has "
             f"shape {tuple(mask.shape)}; they must match"
         )
@@ -112,72 +122,111 @@ class _Layout:
 def _layout(loss_mask: Tensor, cu_seqlens: Tensor | None) -> _Layout:
     if loss_mask.dim() == 2:
         if cu_seqlens is not None:
-            raise ValueError(
+            raise ReductionInputError(
                 f"cu_seqlens is only for packed 1-D inputs, but loss_mask is padded with shape "
                 f"{tuple(loss_mask.shape)}"
             )
         return _Layout(n_sequences=loss_mask.shape[0], seq_index=None)
     if loss_mask.dim() != 1:
-        raise ValueError(
+        raise ReductionInputError(
             f"loss_mask must be padded [B, T] or packed [total_tokens], got shape "
             f"{tuple(loss_mask.shape)}"
         )
     if cu_seqlens is None:
-        raise ValueError(
+        raise ReductionInputError(
             f"packed 1-D inputs (loss_mask shape {tuple(loss_mask.shape)}) need cu_seqlens, "
             "the cumulative sequence offsets [B + 1]"
         )
+    lengths = packed_lengths(cu_seqlens, loss_mask.shape[0])
+    return _Layout(n_sequences=len(lengths), seq_index=_owner_ids(lengths, loss_mask.device))
+
+
+def packed_lengths(cu_seqlens: Tensor, total_tokens: int) -> list[int]:
+    """The sequence lengths ``[B]`` of packed ``cu_seqlens`` ``[B + 1]``, checked to
+    start at 0, never decrease and end at ``total_tokens`` (``[0]``: no sequence).
+
+    The one check of packed offsets, shared by the reduction and the splitter.
+    """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D [B + 1], got shape {tuple(cu_seqlens.shape)}")
-    offsets = [int(v) for v in cu_seqlens.tolist()]
-    lengths = [b - a for a, b in itertools.pairwise(offsets)]
-    if offsets[0] != 0 or offsets[-1] != loss_mask.shape[0] or any(n < 0 for n in lengths):
-        raise ValueError(
-            f"cu_seqlens={offsets} must start at 0, never decrease and end at the number of "
-            f"packed tokens ({loss_mask.shape[0]})"
+        raise ReductionInputError(
+            f"cu_seqlens must be 1-D [B + 1], got shape {tuple(cu_seqlens.shape)}"
         )
-    device = loss_mask.device
-    seq_index = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    given: list[object] = cu_seqlens.tolist()
+    offsets = [_whole(v) for v in given]
+    if None in offsets:
+        raise ReductionInputError(f"cu_seqlens={given} must hold whole token offsets")
+    whole = [v for v in offsets if v is not None]
+    lengths = [b - a for a, b in itertools.pairwise(whole)]
+    if whole[0] != 0 or whole[-1] != total_tokens or any(n < 0 for n in lengths):
+        raise ReductionInputError(
+            f"cu_seqlens={whole} must start at 0, never decrease and end at the number of "
+            f"packed tokens ({total_tokens})"
+        )
+    return lengths
+
+
+def _owner_ids(counts: Sequence[int], device: torch.device) -> Tensor:
+    """[sum(counts)] id ``i`` repeated ``counts[i]`` times (token -> sequence, sequence -> group).
+
+    The counts tensor is built as int64 explicitly: ``torch.tensor([])`` would be
+    float32, which ``repeat_interleave`` rejects, and an empty microbatch is valid.
+    """
+    return torch.repeat_interleave(
+        torch.arange(len(counts), device=device),
+        torch.tensor(counts, dtype=torch.long, device=device),
     )
-    return _Layout(n_sequences=len(lengths), seq_index=seq_index)
 
 
-def _group_index(group_sizes: GroupSizes, n_sequences: int, device: torch.device) -> Tensor:
-    """[B] prompt-group id of each sequence, checked against the batch."""
+def checked_group_sizes(group_sizes: GroupSizes, n_sequences: int) -> list[int]:
+    """``group_sizes`` as ints, checked to be whole, >= 1 and to tile ``n_sequences``.
+
+    The one check of prompt groups, shared by the reduction and the microbatch
+    splitter; ``[]`` is valid for a microbatch without sequences.
+    """
     if isinstance(group_sizes, Tensor):
         if group_sizes.dim() != 1:
-            raise ValueError(
+            raise ReductionInputError(
                 f"group_sizes must be 1-D (one size per prompt group), got shape "
                 f"{tuple(group_sizes.shape)}"
             )
-        sizes = [int(v) for v in group_sizes.tolist()]
+        given: list[object] = group_sizes.tolist()
     else:
-        sizes = [int(v) for v in group_sizes]
-    if any(size < 1 for size in sizes):
-        raise ValueError(f"group_sizes={sizes} must all be >= 1")
-    if sum(sizes) != n_sequences:
-        raise ValueError(
-            f"group_sizes={sizes} sum to {sum(sizes)} but the batch holds {n_sequences} "
+        given = list(group_sizes)
+    sizes = [_whole(v) for v in given]
+    if any(size is None or size < 1 for size in sizes):
+        raise ReductionInputError(f"group_sizes={given} must all be whole numbers >= 1")
+    counts = [size for size in sizes if size is not None]
+    if sum(counts) != n_sequences:
+        raise ReductionInputError(
+            f"group_sizes={counts} sum to {sum(counts)} but the batch holds {n_sequences} "
             "sequences; groups must tile the batch (a group is never split)"
         )
-    return torch.repeat_interleave(
-        torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device)
-    )
+    return counts
+
+
+def _whole(value: object) -> int | None:
+    """``value`` as an int if it is a whole number (``2`` or ``2.0``), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    return operator.index(value) if isinstance(value, SupportsIndex) else None
 
 
 def _check_divisor(mode: PolicyGradientMode, divisor: float | None) -> float | None:
     if mode is not PolicyGradientMode.CONSTANT:
         if divisor is not None:
-            raise ValueError(
+            raise ReductionConfigError(
                 f"divisor={divisor!r} is only valid with mode 'constant', not {mode.value!r}"
             )
         return None
     if divisor is None or isinstance(divisor, bool):
-        raise ValueError(f"mode 'constant' needs a divisor (the length budget C), got {divisor!r}")
+        raise ReductionConfigError(
+            f"mode 'constant' needs a divisor (the length budget C), got {divisor!r}"
+        )
     value = float(divisor)
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"divisor must be positive and finite, got {divisor!r}")
+        raise ReductionConfigError(f"divisor must be positive and finite, got {divisor!r}")
     return value
 
 
@@ -198,7 +247,7 @@ class PolicyGradientReduction:
             self.mode = PolicyGradientMode(mode)
         except ValueError:
             valid = ", ".join(repr(m.value) for m in PolicyGradientMode)
-            raise ValueError(f"mode={mode!r} is not one of {valid}") from None
+            raise ReductionConfigError(f"mode={mode!r} is not one of {valid}") from None
         self.divisor = _check_divisor(self.mode, divisor)
 
     def __repr__(self) -> str:
@@ -247,13 +296,13 @@ class PolicyGradientReduction:
         is exact only in ``token_mean`` and rejected otherwise.
         """
         if loss.shape != loss_mask.shape:
-            raise ValueError(
+            raise ReductionInputError(
                 f"loss has shape {tuple(loss.shape)} but loss_mask has shape "
                 f"{tuple(loss_mask.shape)}; they must match"
             )
         if token_penalty is not None:
             if self.mode is not PolicyGradientMode.TOKEN_MEAN:
-                raise ValueError(
+                raise ReductionConfigError(
                     f"token_penalty cannot be folded into a {self.mode.value!r} policy-gradient "
                     f"term: it would be normalized per {self._unit()} instead of per token, so its "
                     "weight would depend on response lengths and batch composition. Give it its "
@@ -261,7 +310,7 @@ class PolicyGradientReduction:
                     "PolicyGradientReduction('token_mean').term('distill')"
                 )
             if token_penalty.shape != loss.shape:
-                raise ValueError(
+                raise ReductionInputError(
                     f"token_penalty has shape {tuple(token_penalty.shape)} but loss has shape "
                     f"{tuple(loss.shape)}; they must match"
                 )
@@ -279,7 +328,7 @@ class PolicyGradientReduction:
         ``cu_seqlens`` and ``group_sizes`` from ``data``.
         """
         if "loss_mask" not in data:
-            raise ValueError(
+            raise ReductionInputError(
                 f"the normalizer of {self.contract!r} needs data['loss_mask']; the data holds "
                 f"{sorted(data)}"
             )
@@ -317,19 +366,21 @@ class PolicyGradientReduction:
             d = m
         else:
             if denominator_mask.shape != loss_mask.shape:
-                raise ValueError(
+                raise ReductionInputError(
                     f"denominator_mask has shape {tuple(denominator_mask.shape)} but loss_mask "
                     f"has shape {tuple(loss_mask.shape)}; they must match"
                 )
             d = denominator_mask.bool()
             outside = int((m & ~d).sum())
             if outside:
-                raise ValueError(
+                raise ReductionInputError(
                     f"loss_mask has {outside} tokens outside denominator_mask; the denominator "
                     "mask (pre-rejection tokens) must cover every token whose loss counts"
                 )
         if group_sizes is None and self.mode is PolicyGradientMode.PROMPT_MEAN:
-            raise ValueError("mode 'prompt_mean' needs group_sizes (responses per prompt group)")
+            raise ReductionInputError(
+                "mode 'prompt_mean' needs group_sizes (responses per prompt group)"
+            )
         # Sums and counts in at least float32: bfloat16 cannot even count past 256.
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         # Select before summing: a NaN/inf loss at a masked token never enters the sum.
@@ -345,8 +396,9 @@ class PolicyGradientReduction:
             # Inactive sequences have seq_num == 0 (loss_mask is inside d): 0 / 1.
             return (seq_num / seq_den.clamp(min=1)).sum(), (seq_den > 0).sum()
         assert group_sizes is not None
-        group_index = _group_index(group_sizes, layout.n_sequences, loss.device)  # [B]
-        n_groups = int(group_index[-1]) + 1 if group_index.numel() else 0
+        sizes = checked_group_sizes(group_sizes, layout.n_sequences)
+        group_index = _owner_ids(sizes, loss.device)  # [B]
+        n_groups = len(sizes)
         group_num = torch.zeros(n_groups, dtype=loss.dtype, device=loss.device).index_add(
             0, group_index, seq_num
         )  # [G]

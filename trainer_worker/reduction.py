@@ -9,9 +9,14 @@ every rank and microbatch) its share of the global loss is
 - mean term: ``v_b * n_b / N`` (``v_b`` is the local mean),
 - sum term: ``v_b / N`` (``v_b`` is the local numerator),
 
-and the total loss is the sum of the shares (``shared/docs/reduction-semantics.md``).
+and the total loss is the sum of the shares (``docs/reduction-semantics.md``).
 :func:`scaled_loss` computes exactly that; :func:`local_partials` the per-term
 partial a rank sends for reduction.
+
+A bad term or reduction definition raises
+:class:`~lossreduce.errors.ReductionConfigError`; a ``loss_fn`` or normalizer
+returning the wrong terms or shapes raises
+:class:`~lossreduce.errors.ReductionInputError` (both ``ValueError`` s).
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lossreduce.errors import (
+    InconsistentNormalizerError,
+    ReductionConfigError,
+    ReductionInputError,
+)
 from lossreduce.rules import check_term_name
 
 __all__ = [
@@ -52,11 +62,6 @@ LossFn = Callable[[Tensor, Batch], Tensor | Mapping[str, Tensor]]
 ReductionKind = Literal["mean", "sum"]
 
 
-class InconsistentNormalizerError(ValueError):
-    """A mean term's local mean times its local normalizer is not its local sum:
-    the loss and its normalizer count different units (the debug check)."""
-
-
 @dataclass(frozen=True)
 class LossTerm:
     """One named part of a loss with its own normalizer.
@@ -73,15 +78,15 @@ class LossTerm:
     def __post_init__(self) -> None:
         problem = check_term_name(self.name)
         if problem is not None:
-            raise ValueError(f"LossTerm: {problem}")
+            raise ReductionConfigError(f"LossTerm: {problem}")
         if self.reduction not in ("mean", "sum"):
-            raise ValueError(
+            raise ReductionConfigError(
                 f"LossTerm {self.name!r}: reduction={self.reduction!r} must be 'mean' or 'sum'"
             )
         if not self.contract:
             object.__setattr__(self, "contract", self.reduction)
         elif not self.contract.startswith(f"{self.reduction}:") and self.contract != self.reduction:
-            raise ValueError(
+            raise ReductionConfigError(
                 f"LossTerm {self.name!r}: contract {self.contract!r} does not describe a "
                 f"{self.reduction!r} term (it must start with '{self.reduction}:')"
             )
@@ -96,11 +101,13 @@ class LossReduction:
 
     def __init__(self, loss_fn: LossFn, terms: Sequence[LossTerm]) -> None:
         if not terms:
-            raise ValueError("LossReduction needs at least one LossTerm")
+            raise ReductionConfigError("LossReduction needs at least one LossTerm")
         names = [t.name for t in terms]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"LossReduction: term names must be unique; repeated: {duplicates}")
+            raise ReductionConfigError(
+                f"LossReduction: term names must be unique; repeated: {duplicates}"
+            )
         self.loss_fn = loss_fn
         self.terms: tuple[LossTerm, ...] = tuple(terms)
 
@@ -133,7 +140,7 @@ class LossReduction:
         result = self.loss_fn(output, microbatch)
         if isinstance(result, Tensor):
             if len(self.terms) != 1:
-                raise ValueError(
+                raise ReductionInputError(
                     f"loss_fn returned one tensor but the reduction has {len(self.terms)} terms "
                     f"{list(self.names)}; return a mapping from each term name to its value"
                 )
@@ -143,13 +150,13 @@ class LossReduction:
             missing = [n for n in self.names if n not in values]
             extra = sorted(set(values) - set(self.names))
             if missing or extra:
-                raise ValueError(
+                raise ReductionInputError(
                     f"loss_fn returned terms {sorted(values)} but the reduction declares "
                     f"{list(self.names)} (missing: {missing}, extra: {extra})"
                 )
         for name, value in values.items():
             if value.dim() != 0:
-                raise ValueError(
+                raise ReductionInputError(
                     f"loss_fn returned a tensor of shape {tuple(value.shape)} for term {name!r}; "
                     "each term's value must be 0-d (a local mean or sum)"
                 )
@@ -161,7 +168,7 @@ class LossReduction:
         for term in self.terms:
             n = torch.as_tensor(term.normalizer_fn(microbatch)).to(torch.float64)
             if n.dim() != 0:
-                raise ValueError(
+                raise ReductionInputError(
                     f"the normalizer of term {term.name!r} returned shape {tuple(n.shape)}; "
                     "it must be a 0-d count"
                 )

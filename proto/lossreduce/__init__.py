@@ -6,7 +6,10 @@ binding (``proto/``), ``lossreduce.server`` the coordinator, ``lossreduce.client
 the engine-side client and ``lossreduce.trainer_worker`` the reduction library,
 the Ray trainer workers and the training driver. This root package holds what
 every side shares: the rules every partial and normalizer must obey
-(``lossreduce.rules``) and the one exception hierarchy (``lossreduce.errors``).
+(``lossreduce.rules``), the one exception hierarchy (``lossreduce.errors``)
+and its wire encoding (``lossreduce.status_codec``), the settings-to-flags
+rule of every command (``lossreduce.settings_cli``) and free ports
+(``lossreduce.ports``).
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -1,12 +1,10 @@
-"""The one exception hierarchy of lossreduce, and its wire encoding.
+"""The one exception hierarchy of lossreduce.
 
 Every way of reducing a global normalizer (the coordinator over gRPC, a
 torch.distributed all-reduce, one local process) raises these same types, so
-engine code handles failures once. Over gRPC each exception travels as a
-``google.rpc.Status`` whose code is fixed per class and whose details hold one
-``google.rpc.ErrorInfo`` (domain ``lossreduce.v2``); :func:`to_status` and
-:func:`from_status` are the two directions of that mapping and the only place
-it is written.
+engine code handles failures once. Each class fixes the ``google.rpc.Code``
+and ``ErrorInfo.reason`` it travels as over gRPC; the encoding itself
+(``to_status``/``from_status``) is :mod:`lossreduce.status_codec`.
 
 ::
 
@@ -22,56 +20,64 @@ it is written.
     │   └── LimitExceededError            RESOURCE_EXHAUSTED  a coordinator limit; ``limit`` names it
     ├── CoordinatorUnavailableError       UNAVAILABLE / DEADLINE_EXCEEDED (after retries) / shutdown
     ├── AuthenticationError               UNAUTHENTICATED / PERMISSION_DENIED
-    └── ClientClosedError                 the client was used after ``close()``
+    ├── ClientClosedError                 the client was used after ``close()``
+    ├── ReductionConfigError              (also ValueError; local) a bad reduction, term, engine
+    │                                     or microbatch setting
+    ├── ReductionInputError               (also ValueError; local) a malformed batch or loss:
+    │   │                                 shapes, masks, cu_seqlens, group sizes, terms returned
+    │   └── InconsistentNormalizerError   a mean term's local mean x normalizer is not its sum
+    └── UsageError                        (also ValueError; local) a client or backend used in a
+                                          way it cannot serve: step, rank or world size out of
+                                          range, a second event loop, no process group
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import code_pb2
 
 __all__ = [
-    "ERROR_DOMAIN",
     "AuthenticationError",
     "ClientClosedError",
     "ConflictingContributionError",
     "ContractMismatchError",
     "CoordinatorUnavailableError",
     "EmptyNormalizerError",
+    "InconsistentNormalizerError",
     "InvalidPartialError",
     "LimitExceededError",
     "LossReduceError",
     "RankContext",
+    "ReductionConfigError",
     "ReductionError",
+    "ReductionInputError",
     "RoundAbortedError",
     "RoundTimeoutError",
     "StaleRoundError",
+    "UsageError",
     "describe_round",
     "format_terms",
-    "from_status",
     "round_error",
-    "to_status",
 ]
-
-ERROR_DOMAIN = "lossreduce.v2"
-"""``ErrorInfo.domain`` of every error the coordinator sends."""
-
-_LIST_SEP = ","
 
 
 class LossReduceError(Exception):
     """Base of every lossreduce error.
 
-    Attributes name where it happened: ``job``, ``group``, ``step`` and the
-    ``rank`` that raised it (``None`` where not known, e.g. in a single process),
-    plus what is wrong: ``terms`` and their ``values``, other ``ranks``
-    involved, and for some subclasses a ``limit``. ``str(err)`` is the full
-    human-readable message, which already names all of these.
+    Attributes name where it happened: ``job``, ``group``, ``step`` and
+    ``rank``, the rank that received the error: on a client or a normalizer
+    backend always the rank it serves (rank 0 in a single process), for a
+    round's shared error too, whose culprit or missing ranks are in ``ranks``.
+    ``rank`` is ``None`` only where no rank is known: a round's error as the
+    coordinator builds it once for every rank (each client fills in its own on
+    receipt), or a usage error raised before any rank was given. Then what is
+    wrong: ``terms`` and their ``values``, other ``ranks`` involved, and for
+    some subclasses a ``limit``. ``str(err)`` is the full human-readable
+    message, which already names all of these.
     """
 
     code: ClassVar[int] = code_pb2.UNKNOWN
@@ -228,112 +234,44 @@ class ClientClosedError(LossReduceError):
     reason = "CLIENT_CLOSED"
 
 
-_BY_REASON: dict[str, type[LossReduceError]] = {
-    cls.reason: cls
-    for cls in (
-        InvalidPartialError,
-        EmptyNormalizerError,
-        ContractMismatchError,
-        StaleRoundError,
-        RoundAbortedError,
-        RoundTimeoutError,
-        ConflictingContributionError,
-        LimitExceededError,
-        CoordinatorUnavailableError,
-        AuthenticationError,
-    )
-}
+class ReductionConfigError(LossReduceError, ValueError):
+    """A reduction library setting is invalid: a policy-gradient mode or
+    divisor, a loss term's name, kind or contract, an engine option, a
+    microbatch setting. Raised locally, before any round; also a
+    :class:`ValueError`, so ``except ValueError`` callers keep working."""
 
-# Status codes that can arrive without lossreduce details (from gRPC itself or
-# an interceptor) and the class each maps onto.
-_BY_CODE: dict[int, type[LossReduceError]] = {
-    code_pb2.INVALID_ARGUMENT: InvalidPartialError,
-    code_pb2.ABORTED: RoundAbortedError,
-    code_pb2.ALREADY_EXISTS: ConflictingContributionError,
-    code_pb2.RESOURCE_EXHAUSTED: LimitExceededError,
-    code_pb2.UNAVAILABLE: CoordinatorUnavailableError,
-    code_pb2.DEADLINE_EXCEEDED: CoordinatorUnavailableError,
-    code_pb2.CANCELLED: CoordinatorUnavailableError,
-    code_pb2.UNAUTHENTICATED: AuthenticationError,
-    code_pb2.PERMISSION_DENIED: AuthenticationError,
-}
+    code = code_pb2.INVALID_ARGUMENT
+    reason = "INVALID_REDUCTION_CONFIG"
 
 
-def _format_value(value: float) -> str:
-    # repr round-trips every double exactly, including nan and inf.
-    return repr(float(value))
+class ReductionInputError(LossReduceError, ValueError):
+    """A batch or loss handed to the reduction library is malformed:
+    mismatched shapes, bad ``cu_seqlens`` or group sizes, a loss mask outside
+    its denominator mask, a ``loss_fn`` returning the wrong terms. Raised
+    locally, before any round; also a :class:`ValueError`."""
+
+    code = code_pb2.INVALID_ARGUMENT
+    reason = "INVALID_REDUCTION_INPUT"
 
 
-def _parse_value(text: str) -> float:
-    return float(text)
+class UsageError(LossReduceError, ValueError):
+    """A client or normalizer backend was used in a way it cannot serve: a
+    step, rank or world size the wire cannot carry, an unreadable TLS file,
+    a client called from a second event loop, a torch.distributed backend
+    without a process group. Raised locally; nothing was sent. Also a
+    :class:`ValueError`."""
+
+    code = code_pb2.FAILED_PRECONDITION
+    reason = "USAGE"
 
 
-def to_status(err: LossReduceError) -> status_pb2.Status:
-    """Encode ``err`` as the ``google.rpc.Status`` the coordinator sends."""
-    metadata: dict[str, str] = {"job": err.job, "group": err.group}
-    if err.step is not None:
-        metadata["step"] = str(err.step)
-    if err.rank is not None:
-        metadata["rank"] = str(err.rank)
-    if err.terms:
-        metadata["terms"] = _LIST_SEP.join(err.terms)
-    if err.values:
-        metadata["values"] = _LIST_SEP.join(_format_value(v) for v in err.values)
-    if err.ranks:
-        metadata["ranks"] = _LIST_SEP.join(str(r) for r in err.ranks)
-    if err.limit:
-        metadata["limit"] = err.limit
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata)
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    return status_pb2.Status(code=err.code, message=err.message, details=[detail])
+class InconsistentNormalizerError(ReductionInputError):
+    """A mean term's local mean times its local normalizer is not its local sum:
+    the loss and its normalizer count different units, e.g. different masks
+    (the reduction library's debug check). Raised locally, before any round;
+    also a :class:`ValueError`."""
 
-
-def _split(text: str) -> list[str]:
-    return [part for part in text.split(_LIST_SEP) if part]
-
-
-def from_status(
-    status: status_pb2.Status,
-    *,
-    job: str = "",
-    group: str = "",
-    step: int | None = None,
-    rank: int | None = None,
-) -> LossReduceError:
-    """Decode a ``google.rpc.Status`` into the matching exception.
-
-    Context missing from the details (a status raised by gRPC itself) is
-    filled from the keyword arguments, which the client knows from its call.
-    """
-    info: error_details_pb2.ErrorInfo | None = None
-    for detail in status.details:
-        candidate = error_details_pb2.ErrorInfo()
-        if detail.Unpack(candidate) and candidate.domain == ERROR_DOMAIN:
-            info = candidate
-            break
-    if info is None:
-        cls = _BY_CODE.get(status.code, LossReduceError)
-        return cls(
-            status.message or code_pb2.Code.Name(status.code),
-            job=job,
-            group=group,
-            step=step,
-            rank=rank,
-        )
-    cls = _BY_REASON.get(info.reason) or _BY_CODE.get(status.code, LossReduceError)
-    meta: Mapping[str, str] = info.metadata
-    return cls(
-        status.message,
-        job=meta.get("job", job),
-        group=meta.get("group", group),
-        step=int(meta["step"]) if "step" in meta else step,
-        rank=int(meta["rank"]) if "rank" in meta else rank,
-        terms=_split(meta.get("terms", "")),
-        values=[_parse_value(v) for v in _split(meta.get("values", ""))],
-        ranks=[int(r) for r in _split(meta.get("ranks", ""))],
-        limit=meta.get("limit", ""),
-    )
+    reason = "INCONSISTENT_NORMALIZER"
 
 
 _E = TypeVar("_E", bound=LossReduceError)

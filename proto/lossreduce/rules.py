@@ -4,7 +4,7 @@ The coordinator's round table, the client and the in-process normalizer
 backends (local, torch.distributed) all call these functions, so a partial or
 a global normalizer is judged the same way wherever it is reduced, and the
 reasons match the ``reason`` label of the metrics and the ``ErrorInfo`` detail.
-See ``shared/docs/reduction-semantics.md``, "Validation rules".
+See ``docs/reduction-semantics.md``, "Validation".
 """
 
 from __future__ import annotations

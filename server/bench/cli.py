@@ -4,11 +4,11 @@ For each world size N, every contender runs R rounds in which N ranks each
 send four named partials and all receive the sums; contenders are interleaved
 round by round in one invocation. Reports p50/p99 round latency, rounds/s,
 server CPU per contribution and the coordinator's ratio to every contender,
-checks issue 7's targets, and writes ``bench.json`` and ``bench.png`` to
+checks the README's Performance targets, and writes ``bench.json`` and ``bench.png`` to
 ``--out``.
 
     lossreduce bench --quick
-    lossreduce bench --n 2,4,8,16,64,256 --rounds 200 --out bench-out
+    lossreduce bench --world-sizes 2,4,8,16,64,256 --rounds 200 --out bench-out
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import functools
 import os
 import platform
 import resource
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,10 +38,26 @@ from lossreduce.server.bench.report import (
 from lossreduce.server.bench.run import CpuReader, WorldRun, place, run_world, settle
 from lossreduce.server.bench.servers import CoordinatorProcess, process_cpu_ns, start_store
 from lossreduce.server.bench.stats import ContenderResult
+from lossreduce.settings_cli import FlagError, SettingsParser, add_settings_flags, parse_settings
 
-__all__ = ["BenchSettings", "default_max_processes", "main", "run_bench"]
+__all__ = [
+    "PROG",
+    "QUICK_DEFAULTS",
+    "BenchSettings",
+    "build_parser",
+    "default_max_processes",
+    "main",
+    "run_bench",
+]
 
+PROG = "lossreduce bench"
 _QUICK_WORLD_SIZES = (2, 8, 64, 256)
+QUICK_DEFAULTS: dict[str, object] = {
+    "world_sizes": _QUICK_WORLD_SIZES,
+    "rounds": 30,
+    "warmup_rounds": 3,
+}
+"""What ``--quick`` changes from the defaults (flags given still win)."""
 _FULL_WORLD_SIZES = (2, 4, 8, 16, 64, 256)
 _PROCESS_MEMORY_BYTES = 120 * 1024 * 1024
 """Resident memory budgeted per rank process (a forked torch + grpc interpreter
@@ -106,7 +121,8 @@ class BenchSettings(BaseModel):
         default=512,
         ge=0,
         description="After the other world sizes, the hierarchical contender alone at "
-        "N = nodes x --ranks-per-node simulated ranks (issue 7: 512 x 8 = 4096); 0 skips it.",
+        "N = nodes x --ranks-per-node simulated ranks (the README's Performance target: "
+        "512 x 8 = 4096); 0 skips it.",
     )
     e2e: bool = Field(
         default=False,
@@ -354,55 +370,26 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     return payload
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--n {text!r} must be comma-separated integers") from None
-
-
-def _parser() -> argparse.ArgumentParser:
-    fields = BenchSettings.model_fields
-    p = argparse.ArgumentParser(prog="lossreduce bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=_sizes, dest="world_sizes", help=fields["world_sizes"].description)
-    p.add_argument("--rounds", type=int, help=fields["rounds"].description)
-    p.add_argument("--warmup-rounds", type=int, help=fields["warmup_rounds"].description)
-    p.add_argument(
-        "--contenders",
-        type=lambda s: tuple(c for c in s.split(",") if c),
-        help=fields["contenders"].description,
-    )
-    p.add_argument("--max-processes", type=int, help=fields["max_processes"].description)
-    p.add_argument("--gloo-max-processes", type=int, help=fields["gloo_max_processes"].description)
-    p.add_argument("--load-processes", type=int, help=fields["load_processes"].description)
-    p.add_argument("--ray-processes", type=int, help=fields["ray_processes"].description)
-    p.add_argument("--ranks-per-node", type=int, help=fields["ranks_per_node"].description)
-    p.add_argument("--hierarchical-nodes", type=int, help=fields["hierarchical_nodes"].description)
-    p.add_argument("--e2e", action="store_true", default=None, help=fields["e2e"].description)
-    p.add_argument("--e2e-steps", type=int, help=fields["e2e_steps"].description)
-    p.add_argument("--e2e-pairs", type=int, help=fields["e2e_pairs"].description)
-    p.add_argument("--e2e-workers", type=int, help=fields["e2e_workers"].description)
-    p.add_argument("--out", type=Path, help=fields["out"].description)
-    p.add_argument(
+def build_parser() -> argparse.ArgumentParser:
+    parser = SettingsParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_settings_flags(parser, BenchSettings, metavars={"out": "DIR"})
+    parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"Few rounds (30) at N={','.join(map(str, _QUICK_WORLD_SIZES))} unless --n/--rounds "
-        "say otherwise; finishes in under 2 minutes.",
+        help=f"Few rounds ({QUICK_DEFAULTS['rounds']}) at N={','.join(map(str, _QUICK_WORLD_SIZES))} "
+        "unless --world-sizes/--rounds/--warmup-rounds say otherwise; finishes in under 2 "
+        "minutes.",
     )
-    return p
+    return parser
 
 
 def main(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(list(argv))
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "quick"}
-    if args.quick:
-        given.setdefault("world_sizes", _QUICK_WORLD_SIZES)
-        given.setdefault("rounds", 30)
-        given.setdefault("warmup_rounds", 3)
     try:
-        settings = BenchSettings.model_validate(given)
-    except ValueError as err:
-        print(f"lossreduce bench: {err}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(list(argv))
+        settings = parse_settings(
+            BenchSettings, args, defaults=QUICK_DEFAULTS if args.quick else None
+        )
+    except FlagError as err:
+        return err.report(PROG)
     run_bench(settings)
     return 0

@@ -23,7 +23,7 @@ from typing import Protocol
 import grpc
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from lossreduce.client.aggregator import NodeAggregator
+from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator
 from lossreduce.contribution import Contribution
 from lossreduce.server.bench.workload import CONTRACT, TERMS, partials_for
 from lossreduce.v2 import coordinator_pb2 as pb
@@ -88,15 +88,10 @@ class RankSide(Protocol):
 
 
 def _request(job: str, group: str, step: int, rank: int, world_size: int) -> pb.ReduceRequest:
-    return pb.ReduceRequest(
-        round=pb.RoundKey(job=job, group=group, step=step),
-        rank=rank,
-        world_size=world_size,
-        partials=[
-            pb.TermPartial(term=term, value=value, contract=CONTRACT)
-            for term, value in zip(TERMS, partials_for(rank, step), strict=True)
-        ],
+    contribution = Contribution(
+        rank, world_size, TERMS, partials_for(rank, step), (CONTRACT,) * len(TERMS)
     )
+    return contribution.request(pb.RoundKey(job=job, group=group, step=step))
 
 
 def _sums(response: pb.ReduceResponse, group: str, rank: int, step: int) -> list[float]:
@@ -197,19 +192,17 @@ class HierarchicalRanks:
             raise ValueError(f"ranks {ranks[0]}..{ranks[-1]} are not whole nodes of {per_node}")
         self._ranks = tuple(ranks)
         self._world_size = world_size
-        self._channels = [
-            grpc.aio.insecure_channel(endpoints.coordinator)
-            for _ in range(len(self._ranks) // per_node)
-        ]
+        node_settings = AggregatorSettings(node_timeout_s=CALL_TIMEOUT_S)
         self._nodes = [
             NodeAggregator(
-                channel,
+                endpoints.coordinator,
                 job=endpoints.job,
                 group="hierarchical",
                 local_ranks=self._ranks[i * per_node : (i + 1) * per_node],
-                timeout_s=CALL_TIMEOUT_S,
-            ).start()
-            for i, channel in enumerate(self._channels)
+                world_size=world_size,
+                settings=node_settings,
+            )
+            for i in range(len(self._ranks) // per_node)
         ]
         self._node_ranks = [
             self._ranks[i * per_node : (i + 1) * per_node] for i in range(len(self._nodes))
@@ -240,7 +233,6 @@ class HierarchicalRanks:
     async def close(self) -> None:
         for node in self._nodes:
             await node.close()
-        await asyncio.gather(*(channel.close() for channel in self._channels))
 
 
 def _store_client(endpoints: Endpoints, prefix: str) -> PrefixStore:

@@ -39,7 +39,7 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Target:
-    """One of issue 7's targets, as measured in this run."""
+    """One of the README's Performance targets, as measured in this run."""
 
     name: str
     measured: float | None
@@ -109,7 +109,7 @@ def targets(
     hierarchical_p50_ms: float | None = None,
     e2e_ratio: float | None = None,
 ) -> list[Target]:
-    """Check issue 7's targets against one run's results."""
+    """Check the README's Performance targets against one run's results."""
     by_key = _index(results)
     sizes = sorted({r.world_size for r in results})
     big = by_key.get((REFERENCE, 256))

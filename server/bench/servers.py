@@ -1,7 +1,8 @@
 """The server side of each contender of ``lossreduce bench``, run by the driver.
 
 - the coordinator: ``lossreduce serve`` in its own process, so its CPU time is
-  its own and can be read from ``/proc``;
+  its own and can be read from ``/proc`` (:func:`start_serve` launches it and
+  waits for its health check; the reliability tests start theirs with it too);
 - one TCPStore server (torch's libuv store) for the TCPStore contender and
   gloo's rendezvous;
 - a local Ray cluster hosting the Ray-actor coordinator.
@@ -11,37 +12,97 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
+
+from lossreduce.ports import LOOPBACK, free_port
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
 
 __all__ = [
+    "SERVE_COMMAND",
     "BenchServerError",
     "CoordinatorProcess",
-    "free_port",
     "process_cpu_ns",
+    "start_serve",
     "start_store",
+    "wait_serving",
 ]
+
+SERVE_COMMAND = (sys.executable, "-m", "lossreduce.cli", "serve")
+"""``lossreduce serve`` run by this interpreter (no console script on PATH needed)."""
+
+_HEALTH_POLL_S = 0.05
 
 
 class BenchServerError(RuntimeError):
-    """A contender's server did not start."""
+    """A server (``lossreduce serve``, a contender's) did not start."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+def wait_serving(
+    proc: subprocess.Popen[bytes], target: str, timeout_s: float, log: Callable[[], str]
+) -> None:
+    """Block until ``lossreduce serve`` (``proc``) answers SERVING on ``target``.
+
+    Raises :class:`BenchServerError` with what it printed (``log()``) if it exits
+    first or is not SERVING within ``timeout_s``; the process is left as it is.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise BenchServerError(
+                    f"lossreduce serve on {target} exited with {proc.returncode}:\n{log()}"
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            time.sleep(_HEALTH_POLL_S)
+    raise BenchServerError(
+        f"lossreduce serve on {target} not SERVING after {timeout_s} s:\n{log()}"
+    )
+
+
+def start_serve(
+    port: int,
+    args: Sequence[str],
+    *,
+    log: IO[bytes],
+    log_text: Callable[[], str],
+    cwd: Path | None = None,
+    timeout_s: float = 60.0,
+) -> subprocess.Popen[bytes]:
+    """Start ``lossreduce serve --host 127.0.0.1 --port PORT ARGS`` and wait until it
+    is SERVING. Its output goes to ``log`` (a file, not a pipe: a chatty server must
+    never block on a full pipe); ``log_text()`` reads it back for errors. A server
+    that does not come up is killed and :class:`BenchServerError` raised."""
+    proc = subprocess.Popen(
+        [*SERVE_COMMAND, "--host", LOOPBACK, "--port", str(port), *args],
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_serving(proc, f"{LOOPBACK}:{port}", timeout_s, log_text)
+    except BenchServerError:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
 
 
 def process_cpu_ns(pid: int) -> int:
@@ -79,56 +140,25 @@ class CoordinatorProcess:
     def __init__(self, extra_args: Sequence[str] = (), startup_timeout_s: float = 60.0) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="lossreduce-bench-")
         self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        command = [
-            sys.executable,
-            "-m",
-            "lossreduce.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            # As shipped: metrics and the journal on (a throwaway journal file).
+        self.target = f"{LOOPBACK}:{self.port}"
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 -- lives as long as the server
+        # As shipped: metrics and the journal on (a throwaway journal file).
+        args = [
             "--metrics-port",
             "0",
             "--journal",
             str(Path(self._dir.name) / "journal.sqlite3"),
             *extra_args,
         ]
-        # A file, not a pipe: a chatty server must never block on a full pipe mid-run.
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 -- lives as long as the server
-        self._proc = subprocess.Popen(
-            command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        try:
+            self._proc = start_serve(
+                self.port, args, log=self._log, log_text=self.log, timeout_s=startup_timeout_s
+            )
+        except BenchServerError:
+            self._log.close()
+            self._dir.cleanup()
+            raise
         self.pid = self._proc.pid
-        self._wait_serving(startup_timeout_s)
-
-    def _wait_serving(self, timeout_s: float) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise BenchServerError(
-                        f"lossreduce serve exited with {self._proc.returncode}:\n{self.log()}"
-                    )
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                except grpc.RpcError:
-                    time.sleep(0.1)
-                    continue
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                time.sleep(0.1)
-        self.stop()
-        raise BenchServerError(f"lossreduce serve on {self.target} not SERVING after {timeout_s} s")
 
     def log(self) -> str:
         """What the server printed so far."""

@@ -9,12 +9,11 @@ import math
 import random
 from fractions import Fraction
 
-import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossreduce.client.aggregator import NodeAggregator, node_requests
+from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator, node_requests
 from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
 from lossreduce.contribution import Contribution
 from lossreduce.errors import (
@@ -22,6 +21,7 @@ from lossreduce.errors import (
     InvalidPartialError,
     RoundAbortedError,
 )
+from lossreduce.server.metrics import CoordinatorMetrics
 from lossreduce.server.outcomes import Outcome, OutcomeKind, RoundKey
 from lossreduce.server.round_table import Round, RoundTable
 from lossreduce.server.settings import CoordinatorSettings
@@ -195,26 +195,26 @@ def run_nodes(target: str, world: int, per_node: int, values, step: int = 1):
     """Every rank of ``world`` through node aggregators; each rank's result or error."""
 
     async def main():
-        channels = [grpc.aio.insecure_channel(target) for _ in range(world // per_node)]
         nodes = [
             NodeAggregator(
-                ch,
+                target,
                 job="agg",
                 group="actor",
                 local_ranks=range(i * per_node, (i + 1) * per_node),
-                timeout_s=30,
+                world_size=world,
+                settings=AggregatorSettings(node_timeout_s=30),
             )
-            for i, ch in enumerate(channels)
+            for i in range(world // per_node)
         ]
         try:
             for node in nodes:
-                node.start()
+                await node.open()
             order = list(range(world))
             random.Random(step).shuffle(order)
             calls = {
-                r: nodes[r // per_node].reduce(
-                    r,
-                    world,
+                r: nodes[r // per_node]
+                .local_rank(r)
+                .reduce(
                     step,
                     dict(zip(TERMS, values[r], strict=True)),
                     dict(zip(TERMS, CONTRACTS, strict=True)),
@@ -226,8 +226,6 @@ def run_nodes(target: str, world: int, per_node: int, values, step: int = 1):
         finally:
             for node in nodes:
                 await node.close()
-            for ch in channels:
-                await ch.close()
 
     return asyncio.run(main())
 
@@ -249,3 +247,30 @@ def test_nodes_against_a_real_coordinator_are_exact_and_name_the_culprit(coordin
     for r in set(range(world)) - {6}:
         assert isinstance(failed[r], RoundAbortedError)
         assert failed[r].culprit_rank == 6
+
+
+@pytest.mark.parametrize(
+    ("odd", "reason"),
+    [
+        (Contribution(6, 8, TERMS, (math.nan, 2.0), CONTRACTS), "nan"),
+        (Contribution(6, 8, TERMS, (-1.0, 2.0), CONTRACTS), "negative"),
+        (Contribution(6, 8, TERMS, (math.inf, 2.0), CONTRACTS), "infinite"),
+        (Contribution(9, 8, TERMS, (1.0, 2.0), CONTRACTS), "rank_out_of_range"),
+    ],
+)
+def test_the_node_and_the_coordinator_judge_a_contribution_alone_alike(odd, reason):
+    """What makes the node forward every rank's own request is what the round
+    table refuses the culprit for (one judgement, not two)."""
+    key = pb.RoundKey(job="job", group="actor", step=1)
+    good = Contribution(5, 8, TERMS, (1.0, 2.0), CONTRACTS)
+    assert len(node_requests(key, [good, odd])) == 2
+    metrics = CoordinatorMetrics()
+    t = RoundTable(CoordinatorSettings(port=0, metrics_port=None), observer=metrics)
+    t.contribute(KEY, good, 0.0)
+    t.contribute(KEY, odd, 0.0)
+    outcome = outcome_of(t)
+    assert outcome.kind is OutcomeKind.ABORTED_INVALID
+    assert outcome.culprit is not None
+    assert outcome.culprit.rank == odd.rank
+    labels = {"job": KEY.job, "group": KEY.group, "reason": reason}
+    assert metrics.registry.get_sample_value("lossreduce_rejected_partials_total", labels) == 1.0

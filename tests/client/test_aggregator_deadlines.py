@@ -1,12 +1,13 @@
 """The node aggregator's deadline and its upstream stream: every rank of a round
 gets the coordinator's answer, whatever the node's local deadline says.
 
-The node's ``timeout_s`` only bounds how long it waits for its own stragglers
-before it hands the coordinator what it has; once a round is upstream, only
-the coordinator's answer (or the loss of the stream) decides it. The first
-tests run nodes against a real coordinator whose round timeout is far longer
-than the nodes' (or, for the straggler that never comes, short); the rest
-drive the aggregator over a scripted in-memory stream.
+The node's ``node_timeout_s`` only bounds how long it waits for its own
+stragglers before it hands the coordinator what it has; once a round is
+upstream, only the coordinator's answer (or the loss of the stream) decides
+it. The first tests run nodes against a real coordinator whose round timeout
+is far longer than the nodes' (or, for the straggler that never comes,
+short), and wait for what the coordinator has received rather than for time
+to pass; the rest drive the aggregator over a scripted in-memory stream.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from lossreduce.client.aggregator import NodeAggregator
+from lossreduce.client import aggregator
+from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator
 from lossreduce.errors import CoordinatorUnavailableError, RoundTimeoutError
 from lossreduce.v2 import coordinator_pb2 as pb
+from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 CONTRACT = {"n": "mean:token_mean"}
 NODE_TIMEOUT_S = 0.05
 """The nodes' local deadline: far below the coordinator's round timeout."""
-PAST_NODE_DEADLINE_S = 0.3
-"""A sleep that a timer of ``NODE_TIMEOUT_S`` scheduled before it always ends within."""
 HANG_GUARD_S = 60.0
 """Only so that a regression fails instead of hanging; never reached when correct."""
 
@@ -44,24 +45,43 @@ async def two_nodes(
     target: str, body: Callable[[NodeAggregator, NodeAggregator], Awaitable[T]]
 ) -> T:
     """Node A holds ranks 0 and 1, node B ranks 2 and 3, of a world of 4."""
-    channels = [grpc.aio.insecure_channel(target) for _ in range(2)]
+    settings = AggregatorSettings(node_timeout_s=NODE_TIMEOUT_S)
     nodes = [
-        NodeAggregator(ch, job="deadline", group="actor", local_ranks=r, timeout_s=NODE_TIMEOUT_S)
-        for ch, r in zip(channels, [(0, 1), (2, 3)], strict=True)
+        NodeAggregator(
+            target, job="deadline", group="actor", local_ranks=r, world_size=4, settings=settings
+        )
+        for r in [(0, 1), (2, 3)]
     ]
     try:
         for node in nodes:
-            node.start()
+            await node.open()
         return await body(nodes[0], nodes[1])
     finally:
         for node in nodes:
             await node.close()
-        for ch in channels:
-            await ch.close()
 
 
 def contribute(node: NodeAggregator, rank: int, step: int = 1) -> asyncio.Task[dict[str, float]]:
-    return asyncio.create_task(node.reduce(rank, 4, step, {"n": 1.0}, CONTRACT))
+    return asyncio.create_task(node.local_rank(rank).reduce(step, {"n": 1.0}, CONTRACT))
+
+
+async def coordinator_has(target: str, ranks: Sequence[int], step: int = 1) -> None:
+    """Return once the coordinator's round ``step`` has every one of ``ranks``
+    (bounded by ``run``'s guard)."""
+    key = pb.RoundKey(job="deadline", group="actor", step=step)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.ReductionCoordinatorStub(channel)
+        while True:
+            status = await stub.GetRound(pb.GetRoundRequest(round=key), timeout=5)
+            if set(ranks) <= set(status.arrived_ranks):
+                return
+            await asyncio.sleep(0.01)
+
+
+async def past_node_deadline() -> None:
+    """Return after every node timer scheduled before this call has fired: the loop
+    runs timers in deadline order, and this one's deadline is later."""
+    await asyncio.sleep(2 * NODE_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("coordinator", [{"round_timeout_s": 60.0}], indirect=True)
@@ -70,7 +90,8 @@ def test_a_round_sent_upstream_is_decided_by_the_coordinator_not_the_node_deadli
 
     async def body(a: NodeAggregator, b: NodeAggregator) -> list[Any]:
         first = [contribute(a, 0), contribute(a, 1)]
-        await asyncio.sleep(PAST_NODE_DEADLINE_S)
+        await coordinator_has(coordinator.target, (0, 1))
+        await past_node_deadline()
         rest = [contribute(b, 2), contribute(b, 3)]
         return await asyncio.gather(*first, *rest, return_exceptions=True)
 
@@ -85,9 +106,10 @@ def test_a_local_straggler_after_the_node_deadline_still_joins_the_round(coordin
 
     async def body(a: NodeAggregator, b: NodeAggregator) -> list[Any]:
         early = contribute(a, 0)
-        await asyncio.sleep(PAST_NODE_DEADLINE_S)
+        # Only node A's deadline sends rank 0 alone: rank 1 has not arrived.
+        await coordinator_has(coordinator.target, (0,))
         rest = [contribute(b, 2), contribute(b, 3)]
-        await asyncio.sleep(PAST_NODE_DEADLINE_S)
+        await coordinator_has(coordinator.target, (0, 2, 3))
         late = contribute(a, 1)
         return await asyncio.gather(early, late, *rest, return_exceptions=True)
 
@@ -122,20 +144,37 @@ class ScriptedCall:
         self.answers: asyncio.Queue[pb.ReduceResponse | BaseException | None] = asyncio.Queue()
         self.closed = False
         self.answered = 0
+        self.delivered = 0
+        """Items ``read`` has handed the node's reader."""
+        self.changed = asyncio.Condition()
 
     async def write(self, request: pb.ReduceRequest) -> None:
         self.written.append(request)
+        async with self.changed:
+            self.changed.notify_all()
 
     async def done_writing(self) -> None:
         self.closed = True
 
     async def read(self) -> Any:
         item = await self.answers.get()
+        self.delivered += 1
+        async with self.changed:
+            self.changed.notify_all()
         if item is None:
             return grpc.aio.EOF
         if isinstance(item, BaseException):
             raise item
         return item
+
+    async def until(self, *, written: int = 0, delivered: int = 0) -> None:
+        """Return once at least ``written`` requests went out and ``delivered`` items
+        were read. The reader handles an item before this wakes: it runs on from
+        ``read`` to its next await in the same step."""
+        async with self.changed:
+            await self.changed.wait_for(
+                lambda: len(self.written) >= written and self.delivered >= delivered
+            )
 
     def answer_ok(self, count: int) -> None:
         """Answer the next ``count`` unanswered requests with their own sums."""
@@ -152,58 +191,77 @@ class ScriptedCall:
 
 
 class ScriptedChannel:
-    """Just enough of a ``grpc.aio.Channel`` for the generated stub."""
+    """Just enough of a ``grpc.aio.Channel`` for the generated stub and the node."""
 
     def __init__(self, call: ScriptedCall) -> None:
         self.call = call
 
-    def stream_stream(self, *args: object, **kwargs: object) -> Callable[[], ScriptedCall]:
-        return lambda: self.call
+    def stream_stream(self, *args: object, **kwargs: object) -> Callable[..., ScriptedCall]:
+        return lambda *call_args, **call_kwargs: self.call
 
     def unary_unary(self, *args: object, **kwargs: object) -> object:
         return None
 
-
-async def scripted_node(timeout_s: float = 3600.0) -> tuple[NodeAggregator, ScriptedCall]:
-    call = ScriptedCall()
-    channel: Any = ScriptedChannel(call)
-    node = NodeAggregator(channel, job="j", group="g", local_ranks=(0, 1), timeout_s=timeout_s)
-    return node.start(), call
+    async def close(self) -> None:
+        pass
 
 
-async def settle() -> None:
-    """Let every ready task run until none is left ready."""
-    for _ in range(20):
-        await asyncio.sleep(0)
+ScriptedNode = Callable[..., Awaitable[tuple[NodeAggregator, ScriptedCall]]]
+
+
+@pytest.fixture
+def scripted_node(monkeypatch: pytest.MonkeyPatch) -> ScriptedNode:
+    """Makes a node of ranks 0 and 1 (world 2) whose channel is a scripted one."""
+
+    async def make(timeout_s: float = 3600.0) -> tuple[NodeAggregator, ScriptedCall]:
+        call = ScriptedCall()
+        monkeypatch.setattr(
+            aggregator, "open_channel", lambda target, settings: ScriptedChannel(call)
+        )
+        node = NodeAggregator(
+            "scripted",
+            job="j",
+            group="g",
+            local_ranks=(0, 1),
+            world_size=2,
+            settings=AggregatorSettings(node_timeout_s=timeout_s),
+        )
+        await node.open()
+        return node, call
+
+    return make
+
+
+def reduce(
+    node: NodeAggregator, rank: int, step: int, value: float
+) -> asyncio.Task[dict[str, float]]:
+    return asyncio.create_task(node.local_rank(rank).reduce(step, {"n": value}, CONTRACT))
 
 
 def both(node: NodeAggregator, step: int) -> list[asyncio.Task[dict[str, float]]]:
-    return [
-        asyncio.create_task(node.reduce(r, 2, step, {"n": float(step + 1)}, CONTRACT))
-        for r in (0, 1)
-    ]
+    return [reduce(node, r, step, float(step + 1)) for r in (0, 1)]
 
 
 def steps_written(call: ScriptedCall) -> Sequence[int]:
     return [r.round.step for r in call.written]
 
 
-def test_a_late_old_step_in_flight_survives_newer_steps_completing():
+def test_a_late_old_step_in_flight_survives_newer_steps_completing(scripted_node):
     """Steps 1..9 go upstream, then step 0 (its ranks came last); their answers
     come back in that order. Step 9's completion must not drop step 0."""
 
     async def main() -> list[Any]:
         node, call = await scripted_node()
         tasks = {step: both(node, step) for step in range(1, 10)}
-        await settle()
+        await call.until(written=9)
         tasks[0] = both(node, 0)
-        await settle()
+        await call.until(written=10)
         assert steps_written(call) == [*range(1, 10), 0]
         call.answer_ok(10)
         results = await asyncio.gather(*(t for ts in tasks.values() for t in ts))
         # The stream still reads answers after that.
         tasks[10] = both(node, 10)
-        await settle()
+        await call.until(written=11)
         call.answer_ok(1)
         results += await asyncio.gather(*tasks[10])
         await node.close()
@@ -214,19 +272,19 @@ def test_a_late_old_step_in_flight_survives_newer_steps_completing():
     assert results == expected
 
 
-def test_a_step_still_collecting_survives_newer_steps_completing():
+def test_a_step_still_collecting_survives_newer_steps_completing(scripted_node):
     """Rank 0 of step 0 arrives, steps 1..9 complete, then rank 1 of step 0."""
 
     async def main() -> list[Any]:
         node, call = await scripted_node()
-        early = asyncio.create_task(node.reduce(0, 2, 0, {"n": 1.0}, CONTRACT))
+        early = reduce(node, 0, 0, 1.0)
         for step in range(1, 10):
             tasks = both(node, step)
-            await settle()
+            await call.until(written=step)
             call.answer_ok(1)
             await asyncio.gather(*tasks)
-        late = asyncio.create_task(node.reduce(1, 2, 0, {"n": 1.0}, CONTRACT))
-        await settle()
+        late = reduce(node, 1, 0, 1.0)
+        await call.until(written=10)
         assert steps_written(call) == [*range(1, 10), 0]
         call.answer_ok(1)
         results = list(await asyncio.gather(early, late))
@@ -248,7 +306,7 @@ def test_a_step_still_collecting_survives_newer_steps_completing():
         ),
     ],
 )
-def test_the_stream_ending_fails_every_waiting_step_at_once(end):
+def test_the_stream_ending_fails_every_waiting_step_at_once(end, scripted_node):
     """The coordinator ends the stream with steps upstream and one collecting: each
     waiting rank gets CoordinatorUnavailableError naming its step, without waiting
     for the node's (hour-long) deadline; so does a rank of a later step."""
@@ -256,8 +314,8 @@ def test_the_stream_ending_fails_every_waiting_step_at_once(end):
     async def main() -> list[Any]:
         node, call = await scripted_node(timeout_s=3600.0)
         upstream = both(node, 1)
-        collecting = asyncio.create_task(node.reduce(0, 2, 2, {"n": 1.0}, CONTRACT))
-        await settle()
+        collecting = reduce(node, 0, 2, 1.0)
+        await call.until(written=1)
         call.answers.put_nowait(end)
         waiting = await asyncio.gather(upstream[0], upstream[1], collecting, return_exceptions=True)
         after = await asyncio.gather(*both(node, 3), return_exceptions=True)
@@ -271,11 +329,11 @@ def test_the_stream_ending_fails_every_waiting_step_at_once(end):
     assert "coordinator" in str(results[0])
 
 
-def test_close_fails_the_ranks_still_waiting():
+def test_close_fails_the_ranks_still_waiting(scripted_node):
     async def main() -> list[Any]:
-        node, _ = await scripted_node(timeout_s=3600.0)
+        node, call = await scripted_node(timeout_s=3600.0)
         upstream = both(node, 1)
-        await settle()
+        await call.until(written=1)
         await node.close()
         return await asyncio.gather(*upstream, return_exceptions=True)
 
@@ -284,11 +342,11 @@ def test_close_fails_the_ranks_still_waiting():
     assert "closed" in str(results[0])
 
 
-def test_an_answer_to_no_request_ends_the_stream_instead_of_the_reader_dying():
+def test_an_answer_to_no_request_ends_the_stream_instead_of_the_reader_dying(scripted_node):
     async def main() -> list[Any]:
         node, call = await scripted_node(timeout_s=3600.0)
         call.answers.put_nowait(pb.ReduceResponse())
-        await settle()
+        await call.until(delivered=1)
         results = await asyncio.gather(*both(node, 1), return_exceptions=True)
         await node.close()
         return results

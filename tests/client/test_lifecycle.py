@@ -20,13 +20,51 @@ from lossreduce.client import (
 UNUSED_TARGET = "127.0.0.1:9"  # never dialled: these clients are not used to reduce
 
 
+CLIENT_ERRORS = {
+    errors.LossReduceError,
+    errors.ReductionError,
+    errors.InvalidPartialError,
+    errors.EmptyNormalizerError,
+    errors.ContractMismatchError,
+    errors.StaleRoundError,
+    errors.RoundAbortedError,
+    errors.RoundTimeoutError,
+    errors.ConflictingContributionError,
+    errors.LimitExceededError,
+    errors.CoordinatorUnavailableError,
+    errors.AuthenticationError,
+    errors.ClientClosedError,
+    errors.UsageError,
+}
+"""Every error a client can raise: re-exported, and the very classes of lossreduce.errors."""
+
+
 def test_public_names_are_exported_and_errors_are_the_shared_ones() -> None:
     for name in lossreduce.client.__all__:
         assert hasattr(lossreduce.client, name), name
-    for name in errors.__all__:
-        obj = getattr(errors, name)
-        if isinstance(obj, type) and issubclass(obj, errors.LossReduceError):
-            assert getattr(lossreduce.client, name) is obj
+    exported = {
+        obj
+        for obj in (getattr(lossreduce.client, name) for name in lossreduce.client.__all__)
+        if isinstance(obj, type) and issubclass(obj, errors.LossReduceError)
+    }
+    assert exported == CLIENT_ERRORS
+    for cls in exported:
+        assert getattr(errors, cls.__name__) is cls
+    # Internals stay in their modules.
+    assert not {"SupportsItem", "Backoff", "BASE_CHANNEL_OPTIONS"} & set(lossreduce.client.__all__)
+    assert lossreduce.client.RoundResult.__module__ == "lossreduce.client.types"
+
+
+@pytest.mark.parametrize("cls", [ReductionClient, AsyncReductionClient])
+def test_identity_is_read_only(cls: type[ReductionClient] | type[AsyncReductionClient]) -> None:
+    client = cls(UNUSED_TARGET, job="j", group="g", rank=1, world_size=2)
+    try:
+        assert (client.job, client.group, client.rank, client.world_size) == ("j", "g", 1, 2)
+        with pytest.raises(AttributeError):
+            client.rank = 0  # type: ignore[misc]
+    finally:
+        if isinstance(client, ReductionClient):
+            client.close()
 
 
 def test_sync_states_and_use_after_close() -> None:
@@ -81,7 +119,7 @@ def test_async_states_and_use_after_close() -> None:
 def test_async_client_refuses_a_second_event_loop() -> None:
     client = AsyncReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1)
     asyncio.run(client.open())
-    with pytest.raises(RuntimeError, match="opened on another event loop"):
+    with pytest.raises(errors.UsageError, match="opened on another event loop"):
         asyncio.run(client.reduce(1, {"pg": 1.0}))
     asyncio.run(client.close())
 
@@ -91,25 +129,19 @@ def test_async_client_refuses_a_second_event_loop() -> None:
     [(-1, 2, "rank=-1"), (0, 0, "world_size=0"), (0, 2**32, "world_size=4294967296")],
 )
 def test_bad_identity_is_rejected_at_construction(rank: int, world_size: int, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(errors.UsageError, match=match) as info:
         AsyncReductionClient(UNUSED_TARGET, job="j", group="g", rank=rank, world_size=world_size)
+    assert isinstance(info.value, ValueError)  # what callers caught before UsageError
+    assert (info.value.job, info.value.group) == ("j", "g")
 
 
 @pytest.mark.parametrize("step", [-1, 2**64, 1.5, True])
 def test_bad_step_is_rejected_before_sending(step: object) -> None:
     with (
         ReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1) as client,
-        pytest.raises(ValueError, match=r"job 'j' group 'g' rank 0: step=.* must be an int"),
+        pytest.raises(errors.UsageError, match=r"job 'j' group 'g' rank 0: step=.* must be an int"),
     ):
         client.reduce(step, {"pg": 1.0})  # type: ignore[arg-type]
-
-
-def test_unencodable_partial_is_rejected_before_sending() -> None:
-    with (
-        ReductionClient(UNUSED_TARGET, job="j", group="g", rank=0, world_size=1) as client,
-        pytest.raises(errors.InvalidPartialError, match="'pg' is not a number"),
-    ):
-        client.reduce(1, {"pg": "many"})  # type: ignore[dict-item]
 
 
 def test_close_while_waiting_abandons_the_call(coordinator, wait_for_arrivals) -> None:

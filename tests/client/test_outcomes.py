@@ -97,6 +97,51 @@ def test_malformed_term_name_is_rejected_by_the_coordinator(reduce_round) -> Non
     assert outcomes[0].culprit_rank == 1
 
 
+# A long round timeout: a peer answered by RoundTimeoutError would show the
+# unencodable rank was never sent; RoundAbortedError shows it was, at once.
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 20.0}], indirect=True)
+@pytest.mark.parametrize(
+    ("job", "partials", "contracts", "local"),
+    [
+        ("not-a-number", {"pg": "many"}, None, "partial for term 'pg' is not a number"),
+        ("tensor", {"pg": torch.tensor([1.0, 2.0])}, None, "0-d tensor, got shape [2]"),
+        (
+            "unknown-contract",
+            {"pg": 1.0},
+            {"pg": "mean:token_mean", "kl": "mean:token_mean"},
+            "contracts name terms ['kl'] that have no partial",
+        ),
+    ],
+)
+def test_unencodable_request_is_still_sent_so_peers_abort_at_once(
+    reduce_round,
+    assert_names_round,
+    *,
+    job: str,
+    partials: dict[str, object],
+    contracts: dict[str, str] | None,
+    local: str,
+) -> None:
+    outcomes = reduce_round(
+        job,
+        [{"pg": 1.0}, partials, {"pg": 2.0}],
+        contracts=[{"pg": "mean:token_mean"}, contracts, {"pg": "mean:token_mean"}],
+        step=6,
+    )
+    culprit = outcomes[1]
+    assert type(culprit) is InvalidPartialError
+    assert_names_round(culprit, job, 6, 1)
+    assert local in str(culprit)
+    assert "sent NaN for" in str(culprit)
+    # Chained to the coordinator's own answer about the NaN it was sent.
+    assert isinstance(culprit.__cause__, InvalidPartialError)
+    for rank in (0, 2):
+        peer = outcomes[rank]
+        assert type(peer) is RoundAbortedError, peer
+        assert_names_round(peer, job, 6, rank)
+        assert peer.culprit_rank == 1
+
+
 @pytest.mark.parametrize(
     ("job", "options", "both_values"),
     [

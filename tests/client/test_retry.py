@@ -7,8 +7,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossreduce.client import Backoff, ClientSettings
-from lossreduce.client.retry import RetryBudget
+from lossreduce.client import ClientSettings
+from lossreduce.client.retry import Backoff, RetryBudget
 
 
 def test_base_delays_grow_geometrically_then_cap() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from lossreduce.client import BASE_CHANNEL_OPTIONS, ClientSettings, channel_options
+from lossreduce.client import ClientSettings, channel_options
+from lossreduce.client.settings import BASE_CHANNEL_OPTIONS
 
 
 def test_every_field_is_described() -> None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from lossreduce.client.status_cli import format_ranks, main
+from lossreduce.client.status_cli import PROG, format_ranks, main
+from lossreduce.ports import free_port
 from lossreduce.server import CoordinatorThread
 from lossreduce.v2 import coordinator_pb2 as pb
-from tests.conftest import free_port
+from tests.conftest import flag_error
 from tests.raw_stub import CALL_TIMEOUT_S, Ranks, Send
 
 
@@ -36,8 +38,10 @@ def _start_stuck_round(ranks: Ranks, coordinator: CoordinatorThread) -> list[thr
     for t in threads:
         t.start()
     key = pb.RoundKey(job="stuck", group="actor", step=42)
+    deadline = time.monotonic() + CALL_TIMEOUT_S
     while len(ranks.stub.GetRound(pb.GetRoundRequest(round=key), timeout=5).arrived_ranks) < 3:
-        pass  # arrivals are on their way; bounded by the test timeout
+        assert time.monotonic() < deadline, "ranks 0, 2 and 3 never all arrived"
+        time.sleep(0.01)
     return threads
 
 
@@ -109,13 +113,24 @@ def test_status_without_rounds_and_against_no_coordinator(
     assert main(["--coordinator", coordinator.target, "--job", "nothing"]) == 0
     assert "no live or recent rounds for job 'nothing'" in capsys.readouterr().out
     dead = f"127.0.0.1:{free_port()}"
-    assert main(["--coordinator", dead, "--timeout", "0.5"]) == 1
+    assert main(["--coordinator", dead, "--timeout-s", "0.5"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"lossreduce status: cannot query {dead}: ")
     assert err.count("\n") == 1
 
 
-def test_status_flag_rules(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--coordinator", "x:1", "--group", "g"]) == 2
-    assert main(["--coordinator", "x:1", "--group", "g", "--step", "1"]) == 2
-    assert "--job" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--coordinator", "x:1", "--group", "g"], "--group and --step go together"),
+        (["--coordinator", "x:1", "--group", "g", "--step", "1"], "--group and --step need --job"),
+        (["--coordinator", "x:1", "--step", "-1", "--group", "g", "--job", "j"], "--step -1: "),
+        (["--coordinator", "x:1", "--timeout-s", "0"], "--timeout-s 0: "),
+        (["--coordinator", "x:1", "--timeout", "1"], "unrecognized arguments: --timeout 1"),
+        ([], "the following arguments are required: --coordinator"),
+    ],
+)
+def test_status_flag_rules(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert flag_error(main, argv, capsys, PROG).startswith(expected)

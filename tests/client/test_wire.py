@@ -13,7 +13,7 @@ from google.rpc import code_pb2, status_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossreduce import errors
+from lossreduce import errors, status_codec
 from lossreduce.client._wire import (
     RoundContext,
     build_request,
@@ -24,6 +24,7 @@ from lossreduce.client._wire import (
     parse_response,
     unavailable_error,
 )
+from lossreduce.contribution import Contribution
 from lossreduce.v2 import coordinator_pb2 as pb
 
 CTX = RoundContext(job="job-a", group="actor", step=7, rank=2, world_size=4)
@@ -71,11 +72,13 @@ def test_values_that_cannot_be_encoded_are_rejected_locally(value: object, why: 
 
 
 def test_request_keeps_term_order_contracts_and_identity() -> None:
-    request = build_request(
+    outgoing = build_request(
         CTX,
         {"pg": torch.tensor(5.0), "kl": 3, "ent": 0.0},
         {"pg": "mean:prompt_mean", "kl": "mean:token_mean"},
     )
+    assert outgoing.local_error is None
+    request = outgoing.request
     assert request.round == pb.RoundKey(job="job-a", group="actor", step=7)
     assert (request.rank, request.world_size) == (2, 4)
     assert [(p.term, p.value, p.contract) for p in request.partials] == [
@@ -83,12 +86,39 @@ def test_request_keeps_term_order_contracts_and_identity() -> None:
         ("kl", 3.0, "mean:token_mean"),
         ("ent", 0.0, ""),
     ]
+    assert request == Contribution.from_request(request).request(CTX.key)
 
 
-def test_contract_for_an_unknown_term_is_rejected_naming_it() -> None:
-    with pytest.raises(errors.InvalidPartialError, match=r"\['kl'\].*\['pg'\]") as info:
-        build_request(CTX, {"pg": 1.0}, {"kl": "mean:token_mean"})
-    assert info.value.terms == ("kl",)
+def test_contract_for_an_unknown_term_is_sent_as_nan_and_named() -> None:
+    # Sent anyway, so the coordinator aborts the round for the peers at once.
+    outgoing = build_request(CTX, {"pg": 1.0}, {"kl": "mean:token_mean"})
+    sent = [(p.term, p.value, p.contract) for p in outgoing.request.partials]
+    assert sent[0] == ("pg", 1.0, "")
+    assert sent[1][0::2] == ("kl", "mean:token_mean")
+    assert math.isnan(sent[1][1])
+    err = outgoing.local_error
+    assert isinstance(err, errors.InvalidPartialError)
+    assert err.terms == ("kl",)
+    assert (err.job, err.group, err.step, err.rank) == ("job-a", "actor", 7, 2)
+    assert str(err) == (
+        "job 'job-a' group 'actor' step 7 rank 2: contracts name terms ['kl'] that have no "
+        "partial (terms: ['pg']); sent NaN for ['kl'] instead, so the coordinator aborts the "
+        "round for every rank"
+    )
+
+
+def test_value_that_is_not_a_number_is_sent_as_nan_and_named() -> None:
+    partials: dict[str, object] = {"pg": 1.0, "kl": "many", "ent": torch.tensor([1.0, 2.0])}
+    outgoing = build_request(CTX, partials)  # type: ignore[arg-type]
+    values = {p.term: p.value for p in outgoing.request.partials}
+    assert values["pg"] == 1.0
+    assert math.isnan(values["kl"])
+    assert math.isnan(values["ent"])
+    err = outgoing.local_error
+    assert isinstance(err, errors.InvalidPartialError)
+    assert err.terms == ("kl", "ent")
+    assert "partial for term 'kl' is not a number (got str)" in str(err)
+    assert "partial for term 'ent' is not a number (a partial must be a 0-d tensor" in str(err)
 
 
 def _response(step: int = 7, **values: float) -> pb.ReduceResponse:
@@ -132,7 +162,7 @@ def test_round_error_gets_the_receiving_rank() -> None:
         terms=["pg"],
         values=[math.nan],
     )
-    err = decode_status(errors.to_status(sent), CTX)
+    err = decode_status(status_codec.to_status(sent), CTX)
     assert type(err) is errors.RoundAbortedError
     assert isinstance(err, errors.RoundAbortedError)
     assert err.rank == 2
@@ -155,7 +185,7 @@ def test_error_naming_its_rank_is_kept_verbatim() -> None:
         terms=["pg"],
         values=[-1.0],
     )
-    err = decode_status(errors.to_status(sent), CTX)
+    err = decode_status(status_codec.to_status(sent), CTX)
     assert type(err) is errors.InvalidPartialError
     assert str(err) == str(sent)
     assert (err.rank, err.terms, err.values) == (2, ("pg",), (-1.0,))
@@ -169,7 +199,7 @@ def test_timeout_error_keeps_missing_ranks() -> None:
         step=7,
         ranks=[1, 3],
     )
-    err = decode_status(errors.to_status(sent), CTX)
+    err = decode_status(status_codec.to_status(sent), CTX)
     assert isinstance(err, errors.RoundTimeoutError)
     assert err.missing_ranks == (1, 3)
 

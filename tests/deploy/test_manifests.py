@@ -380,7 +380,7 @@ def test_coordinator_has_resources_and_drains_within_its_grace_period(
     pod = _one(coordinator_docs, "Deployment")["spec"]["template"]["spec"]
     grace = float(
         _flags(coordinator_container["args"]).get(
-            "--shutdown-grace", DEFAULTS["shutdown_grace_s"].default
+            "--shutdown-grace-s", DEFAULTS["shutdown_grace_s"].default
         )
     )
     assert pod["terminationGracePeriodSeconds"] > grace

@@ -13,22 +13,31 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from pydantic import SecretStr
 
-from lossreduce.errors import AuthenticationError, LossReduceError, from_status
+from lossreduce.client import ClientSettings
+from lossreduce.client._transport import call_metadata
+from lossreduce.contribution import Contribution
+from lossreduce.errors import AuthenticationError, LossReduceError
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.server.auth import (
     BearerTokenInterceptor,
     TokenFileError,
     TokenRegistry,
-    bearer_metadata,
     load_tokens,
 )
+from lossreduce.status_codec import from_status
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 ADMIN = secrets.token_urlsafe(24)
 SCOPED = secrets.token_urlsafe(24)
 WRONG = secrets.token_urlsafe(24)
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata a client configured with ``token`` sends."""
+    return call_metadata(ClientSettings(token=SecretStr(token)))
 
 
 # -- the token file -----------------------------------------------------------------
@@ -118,18 +127,14 @@ def stub(secured: CoordinatorThread) -> Iterator[pb_grpc.ReductionCoordinatorStu
 
 
 def _request(job: str, step: int, value: float = 3.0) -> pb.ReduceRequest:
-    return pb.ReduceRequest(
-        round=pb.RoundKey(job=job, group="actor", step=step),
-        rank=0,
-        world_size=1,
-        partials=[pb.TermPartial(term="tokens", value=value, contract="mean:token_mean")],
-    )
+    contribution = Contribution(0, 1, ("tokens",), (value,), ("mean:token_mean",))
+    return contribution.request(pb.RoundKey(job=job, group="actor", step=step))
 
 
 def _get_round(stub: pb_grpc.ReductionCoordinatorStub, token: str, job: str, step: int) -> Any:
     return stub.GetRound(
         pb.GetRoundRequest(round=pb.RoundKey(job=job, group="actor", step=step)),
-        metadata=bearer_metadata(token),
+        metadata=bearer(token),
         timeout=5,
     )
 
@@ -164,7 +169,7 @@ def test_a_wrong_token_is_unauthenticated_and_never_echoed(
 
 
 def test_the_right_token_reduces(stub: pb_grpc.ReductionCoordinatorStub) -> None:
-    response = stub.Reduce(_request("job-b", 2, 7.0), metadata=bearer_metadata(ADMIN), timeout=5)
+    response = stub.Reduce(_request("job-b", 2, 7.0), metadata=bearer(ADMIN), timeout=5)
     assert [(n.term, n.value) for n in response.normalizers] == [("tokens", 7.0)]
 
 
@@ -174,7 +179,7 @@ def test_a_token_opens_a_stream_and_no_token_does_not(
     responses = list(
         stub.ReduceStream(
             iter([_request("job-b", 3), _request("job-b", 4, 5.0)]),
-            metadata=bearer_metadata(ADMIN),
+            metadata=bearer(ADMIN),
             timeout=5,
         )
     )
@@ -185,7 +190,7 @@ def test_a_token_opens_a_stream_and_no_token_does_not(
 
 
 def test_a_scoped_token_works_in_its_own_job(stub: pb_grpc.ReductionCoordinatorStub) -> None:
-    response = stub.Reduce(_request("job-a", 10, 2.0), metadata=bearer_metadata(SCOPED), timeout=5)
+    response = stub.Reduce(_request("job-a", 10, 2.0), metadata=bearer(SCOPED), timeout=5)
     assert response.normalizers[0].value == 2.0
     assert _get_round(stub, SCOPED, "job-a", 10).state == pb.ROUND_STATE_COMPLETED
 
@@ -193,14 +198,12 @@ def test_a_scoped_token_works_in_its_own_job(stub: pb_grpc.ReductionCoordinatorS
 def test_a_scoped_token_cannot_write_or_read_another_job(
     stub: pb_grpc.ReductionCoordinatorStub,
 ) -> None:
-    stub.Reduce(_request("job-b", 20, 4.0), metadata=bearer_metadata(ADMIN), timeout=5)
+    stub.Reduce(_request("job-b", 20, 4.0), metadata=bearer(ADMIN), timeout=5)
     calls = {
-        "Reduce": lambda: stub.Reduce(
-            _request("job-b", 21), metadata=bearer_metadata(SCOPED), timeout=5
-        ),
+        "Reduce": lambda: stub.Reduce(_request("job-b", 21), metadata=bearer(SCOPED), timeout=5),
         "GetRound": lambda: _get_round(stub, SCOPED, "job-b", 20),
         "ListRounds": lambda: stub.ListRounds(
-            pb.ListRoundsRequest(job="job-b"), metadata=bearer_metadata(SCOPED), timeout=5
+            pb.ListRoundsRequest(job="job-b"), metadata=bearer(SCOPED), timeout=5
         ),
     }
     for name, call in calls.items():
@@ -219,11 +222,11 @@ def test_a_scoped_token_cannot_write_or_read_another_job(
 def test_listing_every_job_with_a_scoped_token_shows_only_its_jobs(
     stub: pb_grpc.ReductionCoordinatorStub,
 ) -> None:
-    stub.Reduce(_request("job-a", 30), metadata=bearer_metadata(ADMIN), timeout=5)
-    stub.Reduce(_request("job-b", 30), metadata=bearer_metadata(ADMIN), timeout=5)
-    everything = stub.ListRounds(pb.ListRoundsRequest(), metadata=bearer_metadata(ADMIN), timeout=5)
+    stub.Reduce(_request("job-a", 30), metadata=bearer(ADMIN), timeout=5)
+    stub.Reduce(_request("job-b", 30), metadata=bearer(ADMIN), timeout=5)
+    everything = stub.ListRounds(pb.ListRoundsRequest(), metadata=bearer(ADMIN), timeout=5)
     assert {r.round.job for r in everything.rounds} == {"job-a", "job-b"}
-    own = stub.ListRounds(pb.ListRoundsRequest(), metadata=bearer_metadata(SCOPED), timeout=5)
+    own = stub.ListRounds(pb.ListRoundsRequest(), metadata=bearer(SCOPED), timeout=5)
     assert own.rounds
     assert {r.round.job for r in own.rounds} == {"job-a"}
 
@@ -233,7 +236,7 @@ def test_a_scoped_stream_ends_at_the_first_foreign_request(
 ) -> None:
     call = stub.ReduceStream(
         iter([_request("job-a", 40, 1.5), _request("job-b", 40), _request("job-a", 41)]),
-        metadata=bearer_metadata(SCOPED),
+        metadata=bearer(SCOPED),
         timeout=5,
     )
     answered = []
@@ -256,10 +259,10 @@ def test_health_answers_without_a_token(secured: CoordinatorThread) -> None:
 def test_metrics_expose_no_token(
     secured: CoordinatorThread, stub: pb_grpc.ReductionCoordinatorStub
 ) -> None:
-    stub.Reduce(_request("job-a", 50), metadata=bearer_metadata(SCOPED), timeout=5)
+    stub.Reduce(_request("job-a", 50), metadata=bearer(SCOPED), timeout=5)
     for token in (WRONG, SCOPED):
         with pytest.raises(grpc.RpcError):
-            stub.Reduce(_request("job-b", 50), metadata=bearer_metadata(token), timeout=5)
+            stub.Reduce(_request("job-b", 50), metadata=bearer(token), timeout=5)
     assert secured.metrics_url is not None
     with urllib.request.urlopen(secured.metrics_url, timeout=5) as reply:
         text = reply.read().decode()

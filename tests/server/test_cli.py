@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,10 +18,12 @@ from google.rpc import code_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lossreduce.errors import CoordinatorUnavailableError
+from lossreduce.ports import free_port
 from lossreduce.server import SERVICE_NAME, CoordinatorSettings, CoordinatorThread
-from lossreduce.server.cli import build_parser, flag_name, main, settings_from_args
+from lossreduce.server.cli import PROG, SERVE_JOURNAL, build_parser, main, settings_from_args
+from lossreduce.settings_cli import flag_name
 from lossreduce.v2 import coordinator_pb2 as pb
-from tests.conftest import free_port
+from tests.conftest import flag_error
 from tests.raw_stub import CALL_TIMEOUT_S, Ranks, Received, Send
 
 LOSSREDUCE = Path(sys.executable).with_name("lossreduce")
@@ -29,7 +32,7 @@ LOSSREDUCE = Path(sys.executable).with_name("lossreduce")
 RANK_SCRIPT = """
 import sys, grpc
 from grpc_status import rpc_status
-from lossreduce.errors import from_status
+from lossreduce.status_codec import from_status
 from lossreduce.v2 import coordinator_pb2 as pb, coordinator_pb2_grpc as pb_grpc
 target, rank, world, value = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 request = pb.ReduceRequest(
@@ -87,11 +90,11 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
             "serve",
             "--port",
             str(port),
-            "--round-timeout",
+            "--round-timeout-s",
             "30",
             "--metrics-port",
             "0",
-            "--shutdown-grace",
+            "--shutdown-grace-s",
             "0.5",
         ],
         stdout=subprocess.PIPE,
@@ -129,12 +132,13 @@ def test_serve_reports_serving_and_drains_on_sigterm(
     answers: list[Received] = []
     thread = threading.Thread(target=lambda: answers.append(ranks.unary(waiting)))
     thread.start()
-    key_status = None
-    while key_status is None or not key_status.arrived_ranks:
-        key_status = ranks.stub.GetRound(
-            pb.GetRoundRequest(round=pb.RoundKey(job="job-t", group="actor", step=1)),
-            timeout=CALL_TIMEOUT_S,
-        )
+    key = pb.RoundKey(job="job-t", group="actor", step=1)
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while not ranks.stub.GetRound(
+        pb.GetRoundRequest(round=key), timeout=CALL_TIMEOUT_S
+    ).arrived_ranks:
+        assert time.monotonic() < deadline, "rank 0 never arrived"
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=CALL_TIMEOUT_S)
     thread.join()
@@ -149,42 +153,67 @@ def test_serve_reports_serving_and_drains_on_sigterm(
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--port", "abc"], "lossreduce serve: invalid --port 'abc': "),
-        (["--round-timeout", "0"], "lossreduce serve: invalid --round-timeout '0': "),
-        (["--max-terms", "-3"], "lossreduce serve: invalid --max-terms '-3': "),
+        (["--port", "abc"], "--port abc: Input should be a valid integer"),
+        (["--round-timeout-s", "0"], "--round-timeout-s 0: Input should be greater than 0"),
+        (["--max-terms", "-3"], "--max-terms -3: Input should be greater than or equal to 1"),
+        (["--journal-sync", "fast"], "--journal-sync fast: Input should be 'normal' or 'full'"),
+        (["--round-timeout", "3"], "unrecognized arguments: --round-timeout 3"),
+        (["--token", "secret"], "unrecognized arguments: --token secret"),
+        (["--port"], "argument --port: expected one argument"),
     ],
 )
 def test_bad_flag_is_one_line_naming_flag_and_value(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(expected)
-    assert err.count("\n") == 1
+    assert flag_error(main, argv, capsys, PROG).startswith(expected)
 
 
-def test_bad_environment_variable_is_named(
+def test_bad_environment_variable_is_named_with_its_value(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("LOSSREDUCE_ROUND_TIMEOUT_S", "soon")
     assert main([]) == 2
     assert capsys.readouterr().err.startswith(
-        "lossreduce serve: invalid LOSSREDUCE_ROUND_TIMEOUT_S:"
+        "lossreduce serve: error: LOSSREDUCE_ROUND_TIMEOUT_S=soon: Input should be a valid number"
     )
 
 
-def test_every_setting_is_a_described_flag() -> None:
+def test_every_setting_but_the_token_is_a_described_flag_named_by_its_field() -> None:
     help_text = build_parser().format_help()
     for name, field in CoordinatorSettings.model_fields.items():
         assert field.description, f"{name} has no description"
-        assert flag_name(name) in help_text
-    assert flag_name("round_timeout_s") == "--round-timeout"
-    assert flag_name("max_rounds_in_flight") == "--max-rounds-in-flight"
+        if name == "token":
+            assert "--token " not in help_text  # command lines are visible to every user
+            continue
+        assert f"{flag_name(name)} " in help_text
+        assert f"env LOSSREDUCE_{name.upper()}" in " ".join(help_text.split())
+    assert flag_name("round_timeout_s") == "--round-timeout-s"
 
 
 def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOSSREDUCE_ROUND_TIMEOUT_S", "7")
     monkeypatch.setenv("LOSSREDUCE_MAX_TERMS", "5")
-    args = build_parser().parse_args(["--round-timeout", "3.5", "--metrics-port", "off"])
+    args = build_parser().parse_args(["--round-timeout-s", "3.5", "--metrics-port", "off"])
     settings = settings_from_args(args)
     assert (settings.round_timeout_s, settings.max_terms, settings.metrics_port) == (3.5, 5, None)
+
+
+def test_journal_defaults_to_the_serve_file_unless_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LOSSREDUCE_JOURNAL", raising=False)
+    parse = build_parser().parse_args
+    assert settings_from_args(parse([])).journal == SERVE_JOURNAL
+    assert settings_from_args(parse(["--journal", "none"])).journal is None
+    assert settings_from_args(parse(["--journal", "j.db"])).journal == Path("j.db")
+    monkeypatch.setenv("LOSSREDUCE_JOURNAL", "off")
+    assert settings_from_args(parse([])).journal is None
+    monkeypatch.setenv("LOSSREDUCE_JOURNAL", "env.db")
+    assert settings_from_args(parse([])).journal == Path("env.db")
+
+
+def test_booleans_take_a_no_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOSSREDUCE_INSECURE", "1")
+    parse = build_parser().parse_args
+    assert settings_from_args(parse([])).insecure is True
+    assert settings_from_args(parse(["--no-insecure"])).insecure is False

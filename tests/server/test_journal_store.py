@@ -15,14 +15,13 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
+from lossreduce.contribution import Contribution
 from lossreduce.errors import (
     ConflictingContributionError,
     ContractMismatchError,
     InvalidPartialError,
     RoundAbortedError,
     RoundTimeoutError,
-    from_status,
-    to_status,
 )
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.server.journal import JournalError, JournalRecord, JournalSettings, RoundJournal
@@ -34,6 +33,7 @@ from lossreduce.server.outcomes import (
     RoundRecord,
     TermNormalizerValue,
 )
+from lossreduce.status_codec import from_status, to_status
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
@@ -163,15 +163,14 @@ def restartable(journal_path: Path) -> Iterator[object]:
 
 
 def _request(rank: int, step: int, world_size: int = 2) -> pb.ReduceRequest:
-    return pb.ReduceRequest(
-        round=pb.RoundKey(job="job", group="actor", step=step),
-        rank=rank,
-        world_size=world_size,
-        partials=[
-            pb.TermPartial(term="tokens", value=0.1 * (rank + 1), contract="mean:token_mean"),
-            pb.TermPartial(term="groups", value=float(rank), contract="mean:prompt_mean"),
-        ],
+    contribution = Contribution(
+        rank,
+        world_size,
+        ("tokens", "groups"),
+        (0.1 * (rank + 1), float(rank)),
+        ("mean:token_mean", "mean:prompt_mean"),
     )
+    return contribution.request(pb.RoundKey(job="job", group="actor", step=step))
 
 
 def _reduce_all(target: str, step: int, ranks: range) -> list[bytes]:

@@ -183,3 +183,31 @@ def test_cardinality_stays_bounded_over_10000_steps() -> None:
     done = value(metrics, "lossreduce_rounds_total", outcome="completed", **labels)
     empty = value(metrics, "lossreduce_rounds_total", outcome="rejected_empty", **labels)
     assert (done, empty) == (10_000 - 10_000 // 7, 10_000 // 7)
+
+
+def test_a_forgotten_group_takes_every_series_of_its_own_along() -> None:
+    metrics = CoordinatorMetrics()
+    table = RoundTable(
+        CoordinatorSettings(round_timeout_s=5.0, idle_group_ttl_s=60.0), observer=metrics
+    )
+    before = _series(metrics)
+    table.contribute(key(1), c(0, 2, tok=1.0, kl=0.0), 0.0)
+    table.contribute(key(1), c(1, 2, tok=2.0, kl=0.0), 0.0)  # completed: every term's gauges
+    table.contribute(key(1), c(1, 2, tok=3.0, kl=0.0), 0.0)  # conflicting
+    table.contribute(key(2), c(0, 1, tok=math.nan, kl=1.0), 0.0)  # rejected: nan
+    table.contribute(key(1, group="critic"), c(0, 2, tok=1.0), 10.0)  # idle from 10 s on
+    table.expire(61.0)  # forgets the actor group only
+    assert value(metrics, "lossreduce_contributions_total", job="job", group="actor") is None
+    assert value(metrics, "lossreduce_contributions_total", job="job", group="critic") == 1.0
+    table.expire(71.0)
+    assert _series(metrics) == before
+    labelled = [
+        sample
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if "job" in sample.labels
+    ]
+    assert labelled == []
+    # A group seen again starts afresh.
+    table.contribute(key(3), c(0, 1, tok=1.0), 70.0)
+    assert value(metrics, "lossreduce_contributions_total", job="job", group="actor") == 1.0

@@ -85,6 +85,9 @@ class Recorder:
     ) -> None:
         self.calls.append(("finished", key, outcome.kind, duration_s, straggler_wait_s))
 
+    def group_forgotten(self, job: str, group: str) -> None:
+        self.calls.append(("forgotten", job, group))
+
     def count(self, name: str) -> int:
         return sum(1 for call in self.calls if call[0] == name)
 
@@ -478,12 +481,14 @@ def test_lookup_and_listing_show_live_then_finished_rounds() -> None:
 
 
 def test_idle_groups_are_forgotten_after_their_ttl() -> None:
-    table, _ = make_table(idle_group_ttl_s=60.0, max_jobs=1)
+    table, recorder = make_table(idle_group_ttl_s=60.0, max_jobs=1)
     finish(table, RoundKey("old", "g", 1))
     table.expire(30.0)
     assert table.rounds("old")
+    assert recorder.count("forgotten") == 0
     table.expire(61.0)
     assert table.rounds("old") == []
+    assert recorder.calls[-1] == ("forgotten", "old", "g")
     assert table.contribute(RoundKey("new", "g", 1), contribution(0, 1, tok=1.0), 62.0).finished
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -24,16 +27,19 @@ from lossreduce.errors import (
     RoundAbortedError,
     RoundTimeoutError,
     StaleRoundError,
-    from_status,
 )
 from lossreduce.server import SERVICE_NAME, CoordinatorSettings, CoordinatorThread
 from lossreduce.server.outcomes import RoundKey
 from lossreduce.server.round_table import Contribution, RoundTable
 from lossreduce.server.servicer import _answer
+from lossreduce.status_codec import from_status
 from lossreduce.v2 import coordinator_pb2 as pb
 from tests.raw_stub import CALL_TIMEOUT_S, Ranks, Received, Send
 
 MODES = ["unary", "stream"]
+WAIT_BOUND_S = 30.0
+"""Longest wait for something already on its way; only reached when a test fails."""
+T = TypeVar("T")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -135,14 +141,26 @@ def test_contract_mismatch_fails_every_rank(
         assert received.error.ranks == (0, 1)
 
 
+def _eventually(probe: Callable[[], T | None], what: str) -> T:
+    """``probe()``'s first non-None value, polled every 10 ms for at most ``WAIT_BOUND_S``."""
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while (value := probe()) is None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"still waiting after {WAIT_BOUND_S} s for {what}")
+        time.sleep(0.01)
+    return value
+
+
 def _wait_until_arrived(ranks: Ranks, send: Send, count: int) -> pb.RoundStatus:
     key = pb.RoundKey(job=send.job, group=send.group, step=send.step)
-    while True:  # bounded by the test timeout; the arrival is already on its way
+
+    def arrived() -> pb.RoundStatus | None:
         status: pb.RoundStatus = ranks.stub.GetRound(
             pb.GetRoundRequest(round=key), timeout=CALL_TIMEOUT_S
         )
-        if len(status.arrived_ranks) >= count:
-            return status
+        return status if len(status.arrived_ranks) >= count else None
+
+    return _eventually(arrived, f"{count} ranks of {key}")
 
 
 @pytest.mark.parametrize("coordinator", [{"round_timeout_s": 0.3}], indirect=True)
@@ -272,13 +290,17 @@ def test_get_round_and_list_rounds(ranks: Ranks) -> None:
     )
     waiting = Send(rank=2, world_size=4, partials={"t": 2.5}, step=2)
     thread = threading.Thread(target=ranks.unary, args=(waiting,))
+    before = time.monotonic()
     thread.start()
     status = _wait_until_arrived(ranks, waiting, 1)
+    elapsed = time.monotonic() - before
     assert status.state == pb.ROUND_STATE_COLLECTING
     assert (list(status.arrived_ranks), list(status.missing_ranks)) == ([2], [0, 1, 3])
     assert [(n.term, n.value) for n in status.partial_sums] == [("t", 2.5)]
     assert status.world_size == 4
-    assert status.age_seconds >= 0.0
+    # The coordinator runs in this process on the same monotonic clock: the round
+    # opened after ``before``, so its age is positive and at most ``elapsed``.
+    assert 0.0 < status.age_seconds <= elapsed
 
     listed = ranks.stub.ListRounds(pb.ListRoundsRequest(job="job-t"), timeout=CALL_TIMEOUT_S)
     assert [(s.round.step, s.state) for s in listed.rounds] == [
@@ -336,8 +358,10 @@ def test_shutdown_drains_in_flight_rounds_and_refuses_new_ones(coordinator_facto
 
     stopper = threading.Thread(target=coord.stop)
     stopper.start()
-    while _health(ranks.channel, "") != health_pb2.HealthCheckResponse.NOT_SERVING:
-        pass  # the stop is under way; bounded by the test timeout
+    _eventually(
+        lambda: _health(ranks.channel, "") == health_pb2.HealthCheckResponse.NOT_SERVING or None,
+        "the stopping coordinator to report NOT_SERVING",
+    )
     assert _health(ranks.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
     fresh = ranks.unary(Send(rank=0, world_size=2, partials={"t": 1.0}, step=3))
     assert fresh.code == code_pb2.UNAVAILABLE

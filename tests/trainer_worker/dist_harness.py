@@ -8,6 +8,7 @@ test to compare with a single-process :class:`LocalNormalizer` run.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -131,11 +132,32 @@ def nan_on_rank(bad_rank: int) -> LossReduction:
     return LossReduction(base.loss_fn, [LossTerm("pg", normalizer, "mean", base.terms[0].contract)])
 
 
-def malformed_on_rank_0(normalizer: GlobalNormalizer, rank: int) -> dict[str, Any]:
+def malformed_on_rank_0(normalizer: GlobalNormalizer, rank: int, step: int) -> dict[str, Any]:
     """Rank 0 sends a contract for a term it has no partial for."""
     contracts = {"kl" if rank == 0 else "pg": "mean"}
-    normalizers = normalizer.reduce(99, {"pg": torch.tensor(1.0)}, contracts)
+    normalizers = normalizer.reduce(step, {"pg": torch.tensor(1.0)}, contracts)
     return {"normalizers": normalizers}
+
+
+UNSORTED_TERMS = ("pg", "kl", "ent")
+
+
+def term_order(normalizer: GlobalNormalizer, step: int) -> dict[str, Any]:
+    """The order the backend returns terms in, for partials given in :data:`UNSORTED_TERMS`."""
+    partials = {t: torch.tensor(float(i + 1)) for i, t in enumerate(UNSORTED_TERMS)}
+    return {"terms": list(normalizer.reduce(step, partials))}
+
+
+def timed(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """:func:`capture` plus how long the call took (``seconds``)."""
+    start = time.monotonic()
+    result = capture(fn)
+    return {**result, "seconds": time.monotonic() - start}
+
+
+def mismatched_contract(rank: int) -> LossReduction:
+    """Rank 0 declares another contract for ``pg`` than its peers."""
+    return make_reduction([TermSpec("pg", "seq_mean" if rank == 0 else "token_mean", channel=0)])
 
 
 def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, Any]]:
@@ -151,15 +173,10 @@ def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, 
         ),
         "torch_invalid": capture(lambda: train(torch_backend, mine, reduction=nan_on_rank(1))),
         "torch_mismatch": capture(
-            lambda: train(
-                torch_backend,
-                mine,
-                reduction=make_reduction(
-                    [TermSpec("pg", "seq_mean" if rank == 0 else "token_mean", channel=0)]
-                ),
-            )
+            lambda: train(torch_backend, mine, reduction=mismatched_contract(rank))
         ),
-        "torch_malformed": capture(lambda: malformed_on_rank_0(torch_backend, rank)),
+        "torch_malformed": capture(lambda: malformed_on_rank_0(torch_backend, rank, 99)),
+        "torch_order": capture(lambda: term_order(torch_backend, 100)),
     }
     if target is not None:
         from lossreduce.client import ReductionClient
@@ -167,7 +184,7 @@ def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, 
         with ReductionClient(
             target, job="dist-coord", group=f"w{world}", rank=rank, world_size=world
         ) as client:
-            coord = CoordinatorNormalizer(client, job="dist-coord", group=f"w{world}", rank=rank)
+            coord = CoordinatorNormalizer(client)
             out["coord_sum"] = capture(lambda: train(coord, mine, start_step=0))
             out["coord_empty_raise"] = capture(lambda: train(coord, empty(mine), start_step=1))
             out["coord_empty_skip"] = capture(
@@ -176,6 +193,11 @@ def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, 
             out["coord_invalid"] = capture(
                 lambda: train(coord, mine, reduction=nan_on_rank(1), start_step=3)
             )
+            out["coord_malformed"] = timed(lambda: malformed_on_rank_0(coord, rank, 4))
+            out["coord_mismatch"] = capture(
+                lambda: train(coord, mine, reduction=mismatched_contract(rank), start_step=5)
+            )
+            out["coord_order"] = capture(lambda: term_order(coord, 6))
     return out
 
 

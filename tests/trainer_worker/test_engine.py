@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lossreduce.errors import EmptyNormalizerError
+from lossreduce.errors import EmptyNormalizerError, ReductionConfigError, ReductionInputError
 from lossreduce.trainer_worker import (
     EvalResult,
     InconsistentNormalizerError,
@@ -103,7 +103,10 @@ class FixedNormalizer:
         self.totals = totals
 
     def reduce(
-        self, step: int, partials: Mapping[str, torch.Tensor], contracts: Mapping[str, str]
+        self,
+        step: int,
+        partials: Mapping[str, torch.Tensor],
+        contracts: Mapping[str, str] | None = None,
     ) -> dict[str, torch.Tensor]:
         return {k: torch.tensor(v, dtype=torch.float64) for k, v in self.totals.items()}
 
@@ -122,9 +125,9 @@ def test_eval_shares_of_ranks_combine_to_the_global_value() -> None:
     for name, value in expected.items():
         assert math.isclose(combined.terms[name], value, rel_tol=1e-12)
     assert combined.normalizers == totals
-    with pytest.raises(ValueError, match="at least one rank"):
+    with pytest.raises(ReductionInputError, match="at least one rank"):
         combine_eval([])
-    with pytest.raises(ValueError, match=r"results of steps \[0, 5\]"):
+    with pytest.raises(ReductionInputError, match=r"results of steps \[0, 5\]"):
         combine_eval([results[0], EvalResult(5, False, 0.0, dict(results[0].terms))])
 
 
@@ -299,8 +302,53 @@ def test_debug_check_catches_loss_and_normalizer_counting_different_masks() -> N
     ],
 )
 def test_bad_engine_options(kw, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ReductionConfigError, match=message):
         make_engine(**kw)
+
+
+def test_a_model_that_needs_a_forward_fn_is_named() -> None:
+    model = make_model()  # nn.Linear: model(microbatch) cannot take a dict
+    engine = TorchTrainEngine(
+        torch.nn.Identity(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        LocalNormalizer(),
+        MicrobatchSplitter(MicrobatchSettings(n_microbatches=1)),
+    )
+    with pytest.raises(
+        ReductionConfigError, match=r"model\(microbatch\) returned dict; pass a forward_fn"
+    ):
+        engine.train_batch_with_reduction(
+            build_batch(GROUPS, packed=False), make_reduction(THREE_TERMS)
+        )
+
+
+class WithEmptyMicrobatches:
+    """A splitter that adds microbatches without sequences first, in the middle and last."""
+
+    def __init__(self, packed: bool) -> None:
+        self.inner = MicrobatchSplitter(MicrobatchSettings(n_microbatches=2))
+        self.packed = packed
+
+    def __call__(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
+        empty = build_batch([], packed=self.packed)
+        first, second = self.inner(batch)
+        return [empty, first, empty, second, empty]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_empty_microbatches_change_nothing(packed: bool) -> None:
+    engine = make_engine(debug_check=True)
+    engine.splitter = WithEmptyMicrobatches(packed)
+    stats = engine.train_batch_with_reduction(
+        build_batch(GROUPS, packed=packed), make_reduction(THREE_TERMS)
+    )
+    loss, grads = reference_loss_and_grads(make_model(), GROUPS, THREE_TERMS)
+    assert (stats.skipped, stats.n_microbatches) == (False, 5)
+    assert math.isclose(stats.loss, loss, rel_tol=1e-12)
+    assert stats.normalizers == {s.name: reference_normalizer(GROUPS, s) for s in THREE_TERMS}
+    for got, want in zip(grads_of(engine.model), grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_model_called_with_the_microbatch_by_default() -> None:

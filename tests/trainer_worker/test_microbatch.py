@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
 
+from lossreduce.errors import ReductionConfigError, ReductionInputError
 from lossreduce.trainer_worker import MicrobatchSettings, MicrobatchSplitter, split_microbatches
 from tests.trainer_worker.toy import build_batch, make_groups
 
@@ -97,12 +97,20 @@ def test_max_tokens_packs_first_fit_decreasing() -> None:
 
 
 def test_settings_need_exactly_one_limit() -> None:
-    with pytest.raises(ValidationError, match="set exactly one of n_microbatches"):
+    with pytest.raises(
+        ReductionConfigError,
+        match=r"^MicrobatchSettings\(n_microbatches=None, max_tokens=None\): set exactly one of",
+    ):
         MicrobatchSettings()
-    with pytest.raises(ValidationError, match="set exactly one of n_microbatches"):
+    with pytest.raises(ReductionConfigError, match="set exactly one of n_microbatches"):
         MicrobatchSettings(n_microbatches=2, max_tokens=10)
-    with pytest.raises(ValidationError):
+    with pytest.raises(
+        ReductionConfigError,
+        match=r"\(n_microbatches=0, max_tokens=None\): n_microbatches: Input should be greater than 0$",
+    ) as info:
         MicrobatchSettings(n_microbatches=0)
+    assert isinstance(info.value, ValueError)
+    assert MicrobatchSettings.model_validate({"max_tokens": 8}) == MicrobatchSettings(max_tokens=8)
     for field in MicrobatchSettings.model_fields.values():
         assert field.description
 
@@ -113,7 +121,7 @@ def test_settings_need_exactly_one_limit() -> None:
         ({"mask": torch.ones(2, 3)}, r"needs 'loss_mask' to be split; it holds \['mask'\]"),
         (
             {"loss_mask": torch.ones(2, 3), "group_sizes": torch.tensor([3])},
-            r"group_sizes=\[3\] must be >= 1 and sum to the 2 responses",
+            r"group_sizes=\[3\] sum to 3 but the batch holds 2 sequences",
         ),
         (
             {"loss_mask": torch.ones(2, 3), "extra": torch.ones(5)},
@@ -128,6 +136,18 @@ def test_settings_need_exactly_one_limit() -> None:
             r"batch\['extra'\] has leading size 3; expected 2 \(responses\) or 5 \(packed tokens\)",
         ),
         (
+            {"loss_mask": torch.ones(2, 3), "group_sizes": torch.tensor([0.5, 1.5])},
+            r"group_sizes=\[0.5, 1.5\] must all be whole numbers >= 1",
+        ),
+        (
+            {"loss_mask": torch.ones(5), "cu_seqlens": torch.tensor([0, 3, 2, 5])},
+            r"cu_seqlens=\[0, 3, 2, 5\] must start at 0, never decrease",
+        ),
+        (
+            {"loss_mask": torch.ones(5), "cu_seqlens": torch.tensor([0, 2, 4])},
+            r"cu_seqlens=\[0, 2, 4\] must .* end at the number of packed tokens \(5\)",
+        ),
+        (
             {
                 "loss_mask": torch.ones(2),
                 "cu_seqlens": torch.tensor([0, 0, 2]),
@@ -138,5 +158,13 @@ def test_settings_need_exactly_one_limit() -> None:
     ],
 )
 def test_bad_batches_are_rejected(batch: dict[str, torch.Tensor], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ReductionInputError, match=message):
         split_microbatches(batch, MicrobatchSettings(n_microbatches=2))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_batch_without_responses_gives_no_microbatch(packed: bool) -> None:
+    assert (
+        split_microbatches(build_batch([], packed=packed), MicrobatchSettings(n_microbatches=2))
+        == []
+    )

@@ -10,7 +10,6 @@ every rank.
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,11 @@ from lossreduce.errors import (
     ContractMismatchError,
     EmptyNormalizerError,
     InvalidPartialError,
+    LossReduceError,
+    RoundAbortedError,
+    UsageError,
 )
+from lossreduce.ports import free_port
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.trainer_worker import (
     CoordinatorNormalizer,
@@ -40,6 +43,8 @@ from tests.trainer_worker.toy import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+ROUND_TIMEOUT_S = 20.0
+"""The coordinator's round timeout: a peer of a malformed rank must hear well before it."""
 T = torch.tensor
 
 
@@ -48,6 +53,7 @@ def test_local_normalizer_returns_float64_partials() -> None:
         3, {"pg": T(4.0), "kl": T(7, dtype=torch.int64)}, {"pg": "mean", "kl": "sum"}
     )
     assert out == {"kl": T(7.0, dtype=torch.float64), "pg": T(4.0, dtype=torch.float64)}
+    assert list(out) == ["pg", "kl"]  # the caller's order
     assert all(v.dtype == torch.float64 for v in out.values())
     assert isinstance(LocalNormalizer(), GlobalNormalizer)
 
@@ -101,52 +107,112 @@ def test_contracts_must_name_the_same_terms() -> None:
         LocalNormalizer().reduce(0, {"pg": T(1.0)}, {"kl": "mean"})
 
 
+def test_contracts_are_optional() -> None:
+    out = LocalNormalizer().reduce(0, {"pg": T(2.0)})
+    assert out == {"pg": T(2.0, dtype=torch.float64)}
+
+
 def test_torch_backend_needs_a_process_group() -> None:
     with pytest.raises(
-        RuntimeError, match=r"needs an initialized torch\.distributed process group"
-    ):
-        TorchDistributedNormalizer()
+        UsageError, match=r"needs an initialized torch\.distributed process group"
+    ) as info:
+        TorchDistributedNormalizer(job="j", group="g")
+    assert isinstance(info.value, ValueError)
+    assert (info.value.job, info.value.group) == ("j", "g")
 
 
 class ScriptedClient:
     """A coordinator answer for the local check of CoordinatorNormalizer."""
 
-    def __init__(self, answer: dict[str, float]) -> None:
+    job = "j"
+    group = "g"
+    rank = 2
+    world_size = 4
+
+    def __init__(self, answer: dict[str, float] | Exception) -> None:
         self.answer = answer
         self.sent: list[tuple[int, dict[str, float], dict[str, str] | None]] = []
 
     def reduce(self, step: int, partials: Any, contracts: Any = None) -> dict[str, float]:
         self.sent.append((step, dict(partials), contracts))
+        if isinstance(self.answer, Exception):
+            raise self.answer
         return self.answer
 
 
 def test_coordinator_normalizer_sends_floats_and_checks_the_answer() -> None:
-    client = ScriptedClient({"pg": 12.0})
-    out = CoordinatorNormalizer(client, job="j", group="g", rank=2).reduce(
-        4, {"pg": T(5.0)}, {"pg": "mean:seq_mean"}
+    client = ScriptedClient({"kl": 3.0, "pg": 12.0})
+    out = CoordinatorNormalizer(client).reduce(
+        4, {"pg": T(5.0), "kl": T([1.0])}, {"pg": "mean:seq_mean", "kl": "sum"}
     )
-    assert out == {"pg": T(12.0, dtype=torch.float64)}
-    assert client.sent == [(4, {"pg": 5.0}, {"pg": "mean:seq_mean"})]
-    broken = CoordinatorNormalizer(ScriptedClient({"pg": 0.0}), job="j", group="g", rank=2)
+    assert out == {"pg": T(12.0, dtype=torch.float64), "kl": T(3.0, dtype=torch.float64)}
+    assert list(out) == ["pg", "kl"]  # the caller's order, not the coordinator's
+    assert client.sent == [(4, {"pg": 5.0, "kl": 1.0}, {"pg": "mean:seq_mean", "kl": "sum"})]
+    broken = CoordinatorNormalizer(ScriptedClient({"pg": 0.0}))
     with pytest.raises(
         EmptyNormalizerError, match=r"job 'j' group 'g' step 4 rank 2: global normalizer 'pg'=0.0"
     ):
-        broken.reduce(4, {"pg": T(5.0)}, {"pg": "mean"})
+        broken.reduce(4, {"pg": T(5.0)})
+    wrong = CoordinatorNormalizer(ScriptedClient({"kl": 1.0}))
+    with pytest.raises(LossReduceError, match=r"answered terms \['kl'\] for partials \['pg'\]"):
+        wrong.reduce(4, {"pg": T(5.0)})
+
+
+@pytest.mark.parametrize(
+    ("partials", "contracts", "sent", "message"),
+    [
+        (
+            {"pg": T(1.0)},
+            {"kl": "mean"},
+            ({"pg": math.nan, "kl": math.nan}, {"pg": "", "kl": "mean"}),
+            r"contracts name \['kl'\] but partials name \['pg'\]",
+        ),
+        (
+            {"bad name": T(1.0)},
+            None,
+            ({"bad name": math.nan}, {"bad name": ""}),
+            r"term name 'bad name' must match",
+        ),
+        (
+            {"pg": T([1.0, 2.0])},
+            {"pg": "mean"},
+            ({"pg": math.nan}, {"pg": "mean"}),
+            r"a partial is one number, but got shapes \{'pg': \(2,\)\}",
+        ),
+        ({}, None, ({}, {}), r"no terms were sent"),
+    ],
+)
+def test_coordinator_normalizer_still_sends_a_malformed_request(
+    partials: dict[str, torch.Tensor],
+    contracts: dict[str, str] | None,
+    sent: tuple[dict[str, float], dict[str, str]],
+    message: str,
+) -> None:
+    # The coordinator rejects the NaN partials for this rank and aborts the
+    # round for its peers at once; this rank raises what was wrong locally.
+    answer = InvalidPartialError("job 'j' group 'g' step 4: rank 2 sent invalid partial")
+    client = ScriptedClient(answer)
+    with pytest.raises(
+        InvalidPartialError, match=rf"job 'j' group 'g' step 4 rank 2: malformed request: {message}"
+    ) as info:
+        CoordinatorNormalizer(client).reduce(4, partials, contracts)
+    assert info.value is not answer
+    assert info.value.__cause__ is answer
+    assert (info.value.job, info.value.group, info.value.step, info.value.rank) == ("j", "g", 4, 2)
+    [(step, got_partials, got_contracts)] = client.sent
+    assert step == 4
+    assert list(got_partials) == list(sent[0])
+    assert all(math.isnan(v) for v in got_partials.values())
+    assert got_contracts == sent[1]
 
 
 # ------------------------------------------------------------------ multi-process
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def coordinator():
     settings = CoordinatorSettings.model_validate(
-        {"port": 0, "metrics_port": None, "round_timeout_s": 60.0}
+        {"port": 0, "metrics_port": None, "round_timeout_s": ROUND_TIMEOUT_S}
     )
     with CoordinatorThread(settings) as coord:
         yield coord
@@ -228,6 +294,28 @@ def test_distributed_backends_match_the_local_normalizer(
     mismatch = [res["torch_mismatch"] for res in results]
     assert {r["error"] for r in mismatch} == {ContractMismatchError.__name__}, mismatch
     assert all("disagree" in r["message"] for r in mismatch)
+
+    # The coordinator backend: a malformed rank still reaches the coordinator,
+    # so its peers hear of it at once rather than at the round timeout.
+    malformed = [res["coord_malformed"] for res in results]
+    assert malformed[0]["error"] == InvalidPartialError.__name__, malformed
+    assert "contracts name ['kl'] but partials name ['pg']" in malformed[0]["message"]
+    assert malformed[0]["rank"] == 0
+    for rank, res in enumerate(malformed[1:], start=1):
+        assert res["error"] == RoundAbortedError.__name__, res
+        assert (res["ranks"], res["rank"]) == ((0,), rank), res
+        assert "rank 0" in res["message"]
+        assert res["seconds"] < ROUND_TIMEOUT_S / 2, res
+
+    mismatch = [res["coord_mismatch"] for res in results]
+    assert {r["error"] for r in mismatch} == {ContractMismatchError.__name__}, mismatch
+    assert all("rank 0" in r["message"] for r in mismatch), mismatch
+
+    # Every backend returns the terms in the caller's order.
+    for name in ("torch_order", "coord_order"):
+        assert [res[name] for res in results] == [
+            {"terms": list(dist_harness.UNSORTED_TERMS)}
+        ] * world, name
 
 
 def test_a_rank_without_microbatches_takes_part_in_the_gradient_sync(

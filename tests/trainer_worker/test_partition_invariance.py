@@ -2,7 +2,8 @@
 
 Random data (token losses from a small model, masks, denominator masks,
 lengths, variable group sizes) is split into 1-8 simulated ranks and, per rank,
-into random microbatches of whole prompt groups. Each rank computes its
+into random microbatches of whole prompt groups, some ranks with an extra
+microbatch that holds no sequence at all. Each rank computes its
 partials; their exact sum is the global normalizer; each rank scales and
 backpropagates its microbatches into one shared model, which sums the
 gradients of all ranks like an ``all_reduce(SUM)``. Total loss and gradients
@@ -38,10 +39,13 @@ from tests.trainer_worker.toy import (
     reference_loss_and_grads,
 )
 
+Partition = tuple[list[Group], list[list[list[Group]]], bool, list[int]]
+
 
 @st.composite
-def partitions(draw: st.DrawFn) -> tuple[list[Group], list[list[list[Group]]], bool]:
-    """(all groups, per rank a list of microbatches of groups, packed layout?)."""
+def partitions(draw: st.DrawFn) -> Partition:
+    """(all groups, per rank a list of microbatches of groups, packed layout?, per rank
+    where an empty microbatch goes among its microbatches: -1 for none)."""
     sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=7))
     groups = make_groups(
         draw(st.integers(0, 2**31)), sizes, p_keep=draw(st.sampled_from([0.3, 0.8, 1.0]))
@@ -55,23 +59,30 @@ def partitions(draw: st.DrawFn) -> tuple[list[Group], list[list[list[Group]]], b
             [g for i, g in enumerate(groups) if rank_of[i] == r and mb_of[i] == b] for b in range(4)
         ]
         ranks.append([mb for mb in mbs if mb])
-    return groups, ranks, draw(st.booleans())
+    empty_at = draw(st.lists(st.integers(-1, 4), min_size=world, max_size=world))
+    return groups, ranks, draw(st.booleans()), empty_at
 
 
 def simulate(
-    reduction: LossReduction, ranks: list[list[list[Group]]], packed: bool, use_splitter: bool
+    reduction: LossReduction,
+    ranks: list[list[list[Group]]],
+    packed: bool,
+    empty_at: list[int],
+    use_splitter: bool,
 ) -> tuple[float, list[torch.Tensor]]:
     """Run every simulated rank through the library; return total loss and summed grads."""
     model = make_model()
     microbatches: list[list[dict[str, torch.Tensor]]] = []
-    for rank_mbs in ranks:
+    for rank_mbs, where in zip(ranks, empty_at, strict=True):
         if use_splitter:
             groups = [g for mb in rank_mbs for g in mb]
-            batch = build_batch(groups, packed=packed) if groups else None
-            split = split_microbatches(batch, MicrobatchSettings(n_microbatches=3)) if batch else []
-            microbatches.append(split)
+            batch = build_batch(groups, packed=packed)
+            split = split_microbatches(batch, MicrobatchSettings(n_microbatches=3))
         else:
-            microbatches.append([build_batch(mb, packed=packed) for mb in rank_mbs])
+            split = [build_batch(mb, packed=packed) for mb in rank_mbs]
+        if where >= 0:
+            split.insert(where, build_batch([], packed=packed))
+        microbatches.append(split)
     locals_ = [local_partials(reduction, mbs) for mbs in microbatches]
     summed = {
         name: torch.stack([lp.partials[name] for lp in locals_]).sum() for name in reduction.names
@@ -88,20 +99,16 @@ def simulate(
     return total, grads_of(model)
 
 
-def check(
-    specs: tuple[TermSpec, ...],
-    data: tuple[list[Group], list[list[list[Group]]], bool],
-    use_splitter: bool,
-) -> None:
-    groups, ranks, packed = data
+def check(specs: tuple[TermSpec, ...], data: Partition, use_splitter: bool) -> None:
+    groups, ranks, packed, empty_at = data
     reduction = make_reduction(specs)
     try:
         expected_loss, expected_grads = reference_loss_and_grads(make_model(), groups, specs)
     except ZeroDivisionError:
         with pytest.raises(EmptyNormalizerError):
-            simulate(reduction, ranks, packed, use_splitter)
+            simulate(reduction, ranks, packed, empty_at, use_splitter)
         return
-    loss, grads = simulate(reduction, ranks, packed, use_splitter)
+    loss, grads = simulate(reduction, ranks, packed, empty_at, use_splitter)
     torch.testing.assert_close(
         torch.tensor(loss), torch.tensor(expected_loss), rtol=1e-12, atol=1e-12
     )

@@ -6,10 +6,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from lossreduce.errors import LossReduceError, ReductionConfigError, ReductionInputError
 from lossreduce.trainer_worker import PolicyGradientReduction, zero_masked
 
-# The worked example of shared/docs/reduction-semantics.md.
+# The worked example of docs/reduction-semantics.md.
 L = torch.tensor([[1, 1, 1], [1, 1, 1], [3, 3, 3], [3, 3, 3]], dtype=torch.float64)
 M = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1]])
 GROUPS = [2, 2]
@@ -129,6 +132,78 @@ def test_microbatch_without_active_units_is_zero_with_finite_grads() -> None:
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
+def test_empty_packed_microbatch_is_zero_not_a_crash() -> None:
+    # A microbatch without sequences once crashed: its empty list of sequence
+    # lengths became a float tensor, which repeat_interleave rejects.
+    value = PolicyGradientReduction("seq_mean").aggregate(
+        torch.zeros(0, dtype=torch.float64), torch.zeros(0), cu_seqlens=torch.tensor([0])
+    )
+    assert value.dtype == torch.float64
+    assert float(value) == 0.0
+    padded = PolicyGradientReduction("prompt_mean").aggregate(
+        torch.zeros(0, 4), torch.zeros(0, 4), group_sizes=[]
+    )
+    assert float(padded) == 0.0
+
+
+EVERY_MODE = [("token_mean", None), ("seq_mean", None), ("prompt_mean", None), ("constant", 3.0)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    mode=st.sampled_from(EVERY_MODE),
+    packed=st.booleans(),
+    width=st.integers(0, 4),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
+    mask_dtype=st.sampled_from([torch.bool, torch.int64, torch.float32]),
+    groups=st.sampled_from(["list", "int64", "float32"]),
+    with_denominator=st.booleans(),
+    local_mean=st.booleans(),
+)
+def test_microbatch_without_sequences_is_zero_in_every_mode_and_layout(
+    *,
+    mode: tuple[str, float | None],
+    packed: bool,
+    width: int,
+    dtype: torch.dtype,
+    mask_dtype: torch.dtype,
+    groups: str,
+    with_denominator: bool,
+    local_mean: bool,
+) -> None:
+    shape = (0,) if packed else (0, width)  # packed [0] with cu_seqlens [0], or padded [0, T]
+    loss = torch.zeros(shape, dtype=dtype, requires_grad=True)
+    mask = torch.zeros(shape, dtype=mask_dtype)
+    cu = torch.tensor([0], dtype=torch.int32) if packed else None
+    sizes_tensor = torch.zeros(0, dtype=torch.float32 if groups == "float32" else torch.int64)
+    group_sizes: list[int] | torch.Tensor = [] if groups == "list" else sizes_tensor
+    denominator = torch.zeros(shape, dtype=mask_dtype) if with_denominator else None
+    pg = PolicyGradientReduction(*mode)
+    value = pg.aggregate(
+        loss,
+        mask,
+        denominator_mask=denominator,
+        cu_seqlens=cu,
+        group_sizes=group_sizes,
+        local_mean=local_mean,
+    )
+    assert value.shape == ()
+    assert value.dtype == torch.promote_types(dtype, torch.float32)
+    assert float(value.detach()) == 0.0
+    data = {"loss_mask": mask, "group_sizes": sizes_tensor}
+    if cu is not None:
+        data["cu_seqlens"] = cu
+    if denominator is not None:
+        data["denominator_mask"] = denominator
+    n = pg.normalizer(data)
+    assert n.dtype == torch.float64
+    assert float(n) == 0.0
+    (grad,) = torch.autograd.grad(value, loss)
+    assert grad.shape == loss.shape
+    assert torch.isfinite(grad).all()
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_nan_in_masked_inputs_never_reaches_a_gradient() -> None:
     logp = torch.tensor([[0.1, 0.2, 0.3]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, math.nan, math.inf]], dtype=torch.float64)
@@ -151,7 +226,9 @@ def test_token_penalty_folds_only_into_token_mean() -> None:
     folded = PolicyGradientReduction("token_mean").aggregate(loss, mask, token_penalty=penalty)
     assert float(folded) == 1.5
     for mode, divisor in [("seq_mean", None), ("prompt_mean", None), ("constant", 3.0)]:
-        with pytest.raises(ValueError, match=rf"cannot be folded into a '{mode}'.*own term"):
+        with pytest.raises(
+            ReductionConfigError, match=rf"cannot be folded into a '{mode}'.*own term"
+        ):
             PolicyGradientReduction(mode, divisor).aggregate(
                 loss, mask, token_penalty=penalty, group_sizes=[2]
             )
@@ -183,8 +260,11 @@ def test_contracts_and_terms() -> None:
     ],
 )
 def test_bad_configuration_is_rejected(mode: str, divisor: float | None, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ReductionConfigError, match=message) as info:
         PolicyGradientReduction(mode, divisor)
+    # One exception tree, and still a ValueError for callers that catch that.
+    assert isinstance(info.value, LossReduceError)
+    assert isinstance(info.value, ValueError)
 
 
 def _call(mode: str, loss: torch.Tensor, mask: torch.Tensor, **kw: object) -> None:
@@ -253,7 +333,42 @@ ONES = torch.ones(2, 3)
             ONES,
             ONES,
             {"group_sizes": [3, -1]},
-            r"group_sizes=\[3, -1\] must all be >= 1",
+            r"group_sizes=\[3, -1\] must all be whole numbers >= 1",
+        ),
+        (
+            "prompt_mean",
+            ONES,
+            ONES,
+            {"group_sizes": torch.tensor([1.5, 0.5])},
+            r"group_sizes=\[1.5, 0.5\] must all be whole numbers >= 1",
+        ),
+        (
+            "prompt_mean",
+            ONES,
+            ONES,
+            {"group_sizes": torch.tensor([math.nan, 2.0])},
+            r"group_sizes=\[nan, 2.0\] must all be whole numbers >= 1",
+        ),
+        (
+            "prompt_mean",
+            ONES,
+            ONES,
+            {"group_sizes": [True, True]},
+            r"group_sizes=\[True, True\] must all be whole numbers >= 1",
+        ),
+        (
+            "seq_mean",
+            torch.ones(0),
+            torch.ones(0),
+            {"cu_seqlens": torch.zeros(0)},
+            r"cu_seqlens must be 1-D \[B \+ 1\], got shape \(0,\)",
+        ),
+        (
+            "seq_mean",
+            torch.ones(3),
+            torch.ones(3),
+            {"cu_seqlens": torch.tensor([0.0, 1.5, 3.0])},
+            r"cu_seqlens=\[0.0, 1.5, 3.0\] must hold whole token offsets",
         ),
         (
             "prompt_mean",
@@ -274,17 +389,21 @@ ONES = torch.ones(2, 3)
 def test_bad_inputs_name_the_argument_and_values(
     mode: str, loss: torch.Tensor, mask: torch.Tensor, kw: dict[str, object], message: str
 ) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ReductionInputError, match=message):
         _call(mode, loss, mask, **kw)
 
 
 def test_normalizer_needs_a_loss_mask() -> None:
-    with pytest.raises(ValueError, match=r"needs data\['loss_mask'\]; the data holds \['mask'\]"):
+    with pytest.raises(
+        ReductionInputError, match=r"needs data\['loss_mask'\]; the data holds \['mask'\]"
+    ):
         PolicyGradientReduction("token_mean").normalizer({"mask": ONES})
 
 
 def test_zero_masked_checks_shapes() -> None:
-    with pytest.raises(ValueError, match=r"values has shape \(2, 3\) but mask has shape \(3,\)"):
+    with pytest.raises(
+        ReductionInputError, match=r"values has shape \(2, 3\) but mask has shape \(3,\)"
+    ):
         zero_masked(ONES, torch.ones(3))
 
 

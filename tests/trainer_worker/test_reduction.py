@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from lossreduce.errors import ReductionConfigError, ReductionInputError
 from lossreduce.trainer_worker import (
     InconsistentNormalizerError,
     LossReduction,
@@ -55,7 +56,7 @@ def test_term_defaults_and_contracts() -> None:
     ],
 )
 def test_bad_definitions_are_rejected(build, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ReductionConfigError, match=message):
         build()
 
 
@@ -95,13 +96,15 @@ def test_losses_accept_a_tensor_or_a_complete_mapping() -> None:
 )
 def test_loss_fn_must_return_every_declared_term(loss_fn, message: str) -> None:
     reduction = LossReduction(loss_fn, [LossTerm("a", count), LossTerm("b", count, "sum")])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ReductionInputError, match=message):
         reduction.losses(torch.ones(3), {})
 
 
 def test_normalizer_must_be_a_count() -> None:
     reduction = LossReduction.mean(lambda out, mb: out.sum(), lambda mb: mb["loss_mask"])
-    with pytest.raises(ValueError, match=r"normalizer of term 'loss' returned shape \(2,\)"):
+    with pytest.raises(
+        ReductionInputError, match=r"normalizer of term 'loss' returned shape \(2,\)"
+    ):
         reduction.normalizers({"loss_mask": torch.ones(2)})
 
 

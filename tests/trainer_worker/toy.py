@@ -5,7 +5,7 @@ advantage. A linear model maps features to three per-token channels, giving
 three token losses (policy gradient, distillation, entropy).
 
 The reference computes the global loss straight from the formulas of
-``shared/docs/reduction-semantics.md`` with Python loops over responses and
+``docs/reduction-semantics.md`` with Python loops over responses and
 groups, in float64, calling the model only on tokens whose loss counts. It
 shares no code with the library: the tests compare the two.
 
@@ -100,15 +100,18 @@ def channel_loss(channel: int, out: Tensor, adv: Tensor) -> Tensor:
 
 
 def build_batch(groups: Sequence[Group], *, packed: bool) -> dict[str, Tensor]:
-    """The library's input: padded [B, T] or packed [total_tokens] + cu_seqlens."""
+    """The library's input: padded [B, T] or packed [total_tokens] + cu_seqlens.
+
+    No groups give an empty microbatch: padded [0, 1], or packed with cu_seqlens [0].
+    """
     seqs = [s for g in groups for s in g]
     sizes = torch.tensor([len(g) for g in groups], dtype=torch.long)
     if packed:
         lengths = [len(s.m) for s in seqs]
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         return {
-            "x": torch.cat([s.x for s in seqs] or [torch.zeros(0, FEATURES)]).reshape(-1, FEATURES),
-            "advantages": torch.cat([s.adv for s in seqs] or [torch.zeros(0)]).reshape(-1),
+            "x": torch.cat([s.x for s in seqs] or [torch.zeros(0, FEATURES, dtype=torch.float64)]),
+            "advantages": torch.cat([s.adv for s in seqs] or [torch.zeros(0, dtype=torch.float64)]),
             "loss_mask": torch.tensor([v for s in seqs for v in s.m], dtype=torch.bool),
             "denominator_mask": torch.tensor([v for s in seqs for v in s.d], dtype=torch.bool),
             "cu_seqlens": cu,

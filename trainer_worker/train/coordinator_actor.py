@@ -20,9 +20,9 @@ the token travels in clear text — use an external coordinator with TLS
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,28 +33,19 @@ from pydantic import SecretStr
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from lossreduce.ports import LOOPBACK, free_port
+
 __all__ = [
     "COORDINATOR_MAX_RESTARTS",
     "LOOPBACK",
     "CoordinatorActor",
     "CoordinatorHandle",
     "default_journal",
-    "free_port",
     "start_coordinator_actor",
 ]
 
 COORDINATOR_MAX_RESTARTS = 3
 """How often Ray restarts a coordinator actor that died."""
-
-LOOPBACK = "127.0.0.1"
-
-
-def free_port(host: str = "0.0.0.0") -> int:
-    """A TCP port that is free on this machine right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class CoordinatorActor:
@@ -93,6 +84,10 @@ class CoordinatorActor:
         """Port of the coordinator's Prometheus ``/metrics`` endpoint."""
         port: int | None = self._thread.metrics_port
         return port
+
+    def pid(self) -> int:
+        """This incarnation's process id: it changes when Ray restarts the actor."""
+        return os.getpid()
 
     def stop(self) -> None:
         self._thread.stop()

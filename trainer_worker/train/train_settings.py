@@ -63,7 +63,7 @@ class TrainSettings(BaseModel):
         description="Round timeout of the embedded coordinator, in seconds; also bounds how "
         "long the driver waits for a step beyond it before declaring it hung, and the workers' "
         "call deadline (this plus 30 s). With --coordinator, set it to that coordinator's "
-        "--round-timeout, so no worker gives up on a round its peers still complete.",
+        "--round-timeout-s, so no worker gives up on a round its peers still complete.",
     )
     step_timeout_s: float = Field(
         default=600.0,

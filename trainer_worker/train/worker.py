@@ -30,6 +30,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from torch import Tensor, nn
 
+from lossreduce.ports import free_port
 from lossreduce.trainer_worker.engine import TorchTrainEngine
 from lossreduce.trainer_worker.microbatch import MicrobatchSettings, MicrobatchSplitter
 from lossreduce.trainer_worker.normalizers import (
@@ -38,7 +39,6 @@ from lossreduce.trainer_worker.normalizers import (
     TorchDistributedNormalizer,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
-from lossreduce.trainer_worker.train.coordinator_actor import free_port
 from lossreduce.trainer_worker.train.grpo import GRPOLoss
 from lossreduce.trainer_worker.train.metrics import WorkerMetrics
 from lossreduce.trainer_worker.train.model import CausalTransformer, PolicyConfig
@@ -105,7 +105,10 @@ class TimedNormalizer:
         self.last_seconds = 0.0
 
     def reduce(
-        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str]
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
     ) -> dict[str, Tensor]:
         start = time.perf_counter()
         try:
@@ -183,7 +186,8 @@ class TrainerWorker:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 only: an address and free port on its node for torch.distributed."""
-        return ray.util.get_node_ip_address(), free_port()
+        # Free on every interface: peers on other nodes dial the node's IP.
+        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group and connect the normalizer backend."""
@@ -217,9 +221,7 @@ class TrainerWorker:
                 ),
             )
             self._client = client
-            inner = CoordinatorNormalizer(
-                client, job=self.config.job, group=REDUCTION_GROUP, rank=self.rank
-            )
+            inner = CoordinatorNormalizer(client)
         self._normalizer = TimedNormalizer(inner)
         self._engine = TorchTrainEngine(
             self.policy,

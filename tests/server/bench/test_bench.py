@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossreduce.server.bench.cli import BenchSettings, main
+from lossreduce.server.bench.cli import PROG, QUICK_DEFAULTS, BenchSettings, build_parser, main
 from lossreduce.server.bench.e2e import abba, step_seconds
 from lossreduce.server.bench.hosts import CONTENDERS, split_ranks
 from lossreduce.server.bench.report import format_table, ratios, targets
@@ -27,6 +27,8 @@ from lossreduce.server.bench.workload import (
     expected_sums,
     partials_for,
 )
+from lossreduce.settings_cli import flag_name, parse_settings
+from tests.conftest import flag_error
 
 
 @given(st.lists(st.floats(0, 1e6), min_size=1, max_size=200), st.floats(0, 100))
@@ -202,7 +204,38 @@ def test_settings_reject_unknown_contenders_and_tiny_worlds():
         BenchSettings(contenders=("mpi",))
     with pytest.raises(ValueError, match=">= 2"):
         BenchSettings(world_sizes=(1, 4))
-    assert main(["--n", "1"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--world-sizes", "1"],
+            "--world-sizes 1: world sizes [1] must be non-empty and each >= 2",
+        ),
+        (["--world-sizes", "2,x"], "--world-sizes 2,x: Input should be a valid integer"),
+        (["--contenders", "mpi"], "--contenders mpi: unknown contenders ['mpi']"),
+        (["--n", "4"], "unrecognized arguments: --n 4"),
+        (["--e2e-steps", "3", "--e2e-skip-steps", "3"], "e2e_steps 3 must exceed"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_flag_and_value(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert flag_error(main, argv, capsys, PROG).startswith(expected)
+
+
+def test_every_setting_is_a_flag_and_quick_only_changes_defaults() -> None:
+    parser = build_parser()
+    help_text = parser.format_help()
+    for name, field in BenchSettings.model_fields.items():
+        assert field.description, name
+        assert flag_name(name) in help_text
+    quick = parse_settings(BenchSettings, parser.parse_args(["--quick"]), defaults=QUICK_DEFAULTS)
+    assert (quick.world_sizes, quick.rounds) == ((2, 8, 64, 256), 30)
+    given = parser.parse_args(["--quick", "--rounds", "7", "--world-sizes", "4,2,4"])
+    mixed = parse_settings(BenchSettings, given, defaults=QUICK_DEFAULTS)
+    assert (mixed.world_sizes, mixed.rounds, mixed.warmup_rounds) == ((2, 4), 7, 3)
 
 
 def test_quick_bench_smoke(tmp_path: Path):
@@ -216,7 +249,7 @@ def test_quick_bench_smoke(tmp_path: Path):
             "lossreduce.cli",
             "bench",
             "--quick",
-            "--n",
+            "--world-sizes",
             "2,4",
             "--rounds",
             "5",

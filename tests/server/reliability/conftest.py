@@ -11,35 +11,24 @@
 from __future__ import annotations
 
 import math
-import os
 import random
 import re
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lossreduce.client import ClientSettings
+from lossreduce.contribution import Contribution
+from lossreduce.ports import free_port
+from lossreduce.server.bench.servers import start_serve
 from lossreduce.v2 import coordinator_pb2 as pb
 
 STARTUP_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class ServeProcess:
@@ -47,17 +36,11 @@ class ServeProcess:
 
     def __init__(self, workdir: Path, journal: Path | None, args: Sequence[str]) -> None:
         self.workdir = workdir
-        self.port = _free_port()
-        self.metrics_port = _free_port()
+        self.port = free_port()
+        self.metrics_port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.journal = journal
         self.args = [
-            sys.executable,
-            "-m",
-            "lossreduce.cli",
-            "serve",
-            "--port",
-            str(self.port),
             "--metrics-port",
             str(self.metrics_port),
             "--journal",
@@ -70,39 +53,17 @@ class ServeProcess:
 
     def start(self) -> ServeProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.args,
-            cwd=self.workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        log.close()
+        with self.log_path.open("ab") as log:
+            self.proc = start_serve(
+                self.port,
+                self.args,
+                log=log,
+                log_text=self.log,
+                cwd=self.workdir,
+                timeout_s=STARTUP_TIMEOUT_S,
+            )
         self.starts += 1
-        self._wait_serving()
         return self
-
-    def _wait_serving(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"lossreduce serve exited with {self.proc.returncode}:\n{self.log()}"
-                    )
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.05)
-        raise RuntimeError(
-            f"lossreduce serve not SERVING after {STARTUP_TIMEOUT_S} s:\n{self.log()}"
-        )
 
     @property
     def pid(self) -> int:
@@ -198,15 +159,15 @@ class Workload:
 
     def request(self, job: str, rank: int, world_size: int, step: int) -> pb.ReduceRequest:
         """The raw ``ReduceRequest`` of one rank at one step (group ``actor``)."""
-        return pb.ReduceRequest(
-            round=pb.RoundKey(job=job, group="actor", step=step),
-            rank=rank,
-            world_size=world_size,
-            partials=[
-                pb.TermPartial(term=term, value=value, contract=self.contracts[term])
-                for term, value in self.partials(rank, step).items()
-            ],
+        partials = self.partials(rank, step)
+        contribution = Contribution(
+            rank,
+            world_size,
+            tuple(partials),
+            tuple(partials.values()),
+            tuple(self.contracts[term] for term in partials),
         )
+        return contribution.request(pb.RoundKey(job=job, group="actor", step=step))
 
     def expected(self, world_size: int, step: int) -> dict[str, float]:
         """What an uninterrupted coordinator answers: ``math.fsum`` in rank order, per term."""

@@ -53,6 +53,21 @@ def _client(target: str, job: str, rank: int, world: int, **settings: Any) -> As
     )
 
 
+async def _arrived(target: str, job: str, step: int, count: int) -> None:
+    """Return once ``count`` ranks of round ``(job, actor, step)`` reached the coordinator;
+    fails after 30 s (they are already on their way)."""
+    key = pb.RoundKey(job=job, group="actor", step=step)
+
+    async def poll() -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.ReductionCoordinatorStub(channel)
+            request = pb.GetRoundRequest(round=key)
+            while len((await stub.GetRound(request, timeout=5)).arrived_ranks) < count:
+                await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), timeout=30)
+
+
 def test_a_killed_rank_process_aborts_its_peers_at_the_round_timeout(
     coordinator_factory: Any,
 ) -> None:
@@ -70,7 +85,7 @@ def test_a_killed_rank_process_aborts_its_peers_at_the_round_timeout(
         assert proc.stdout is not None
         assert await asyncio.to_thread(proc.stdout.readline) == "step 0 done\n"
         waiting = [asyncio.create_task(p.reduce(1, {"tokens": 1.0})) for p in peers]
-        await asyncio.sleep(0.2)
+        await _arrived(coord.target, "killed", 1, 2)
         os.kill(proc.pid, signal.SIGKILL)  # rank 2 dies mid-round, its connection with it
         try:
             # Bounded: a hang fails here instead of blocking the suite.
@@ -132,7 +147,7 @@ def test_sigterm_under_load_leaves_no_round_half_answered(
     serve_factory: Any, workload: Any
 ) -> None:
     world, job = 8, "drain"
-    server = serve_factory(args=["--shutdown-grace", "2", "--round-timeout", "30"])
+    server = serve_factory(args=["--shutdown-grace-s", "2", "--round-timeout-s", "30"])
     outcomes: dict[int, dict[int, str]] = defaultdict(dict)
     started = asyncio.Event
 
@@ -268,11 +283,7 @@ def test_server_keepalive_closes_a_dead_client_connection(coordinator_factory: A
         # The client never pings on its own (long keepalive): only the server can notice.
         client = _client(f"127.0.0.1:{proxy.port}", "dead-link", 0, 2, keepalive_time_s=3600.0)
         pending = asyncio.create_task(client.reduce(0, {"tokens": 1.0}))
-        with grpc.insecure_channel(coord.target) as channel:
-            stub = pb_grpc.ReductionCoordinatorStub(channel)
-            key = pb.RoundKey(job="dead-link", group="actor", step=0)
-            while not stub.GetRound(pb.GetRoundRequest(round=key), timeout=5).arrived_ranks:
-                await asyncio.sleep(0.02)
+        await _arrived(coord.target, "dead-link", 0, 1)
         proxy.frozen.set()
         # The coordinator's pings go unanswered, so it hangs up on the client.
         await asyncio.wait_for(proxy.upstream_closed.wait(), timeout=30)
@@ -302,7 +313,7 @@ def test_client_keepalive_gives_up_on_a_dead_coordinator(coordinator_factory: An
             call_timeout_s=600.0,
         )
         pending = asyncio.create_task(client.reduce(0, {"tokens": 1.0}))
-        await asyncio.sleep(0.3)
+        await _arrived(coord.target, "dead-server", 0, 1)
         proxy.frozen.set()
         # Without keepalive this call would sit for its 600 s deadline.
         with pytest.raises(CoordinatorUnavailableError):

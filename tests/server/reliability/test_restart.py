@@ -50,7 +50,9 @@ def test_a_rank_that_missed_its_answer_gets_it_after_a_sigkill(
     timeout. That is what the journal is for.
     """
     world, job = 3, "missed-answer"
-    server = serve_factory(journal="default" if journaled else None, args=["--round-timeout", "3"])
+    server = serve_factory(
+        journal="default" if journaled else None, args=["--round-timeout-s", "3"]
+    )
     settings: ClientSettings = retrying(call_timeout_s=30.0)
 
     async def main() -> None:
@@ -111,7 +113,7 @@ def test_sigkill_restarts_during_a_run_lose_and_double_count_nothing(
 ) -> None:
     world, steps, job = 16, 120, "sigkill-run"
     kill_at = (15, 40, 65, 90)
-    server = serve_factory(args=["--round-timeout", "60"])
+    server = serve_factory(args=["--round-timeout-s", "60"])
     settings: ClientSettings = retrying()
     progress = [0] * world
     answers: list[dict[int, dict[str, str]]] = [{} for _ in range(world)]

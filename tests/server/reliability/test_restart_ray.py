@@ -21,13 +21,18 @@ import pytest
 from pydantic import SecretStr
 
 from lossreduce.client import AsyncReductionClient, ClientSettings
-from lossreduce.server.auth import bearer_metadata
+from lossreduce.client._transport import call_metadata
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata a client configured with ``token`` sends."""
+    return call_metadata(ClientSettings(token=SecretStr(token)))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,7 @@ def _state(target: str, token: str, job: str) -> int:
     with grpc.insecure_channel(target) as channel:
         status = pb_grpc.ReductionCoordinatorStub(channel).GetRound(
             pb.GetRoundRequest(round=pb.RoundKey(job=job, group="actor", step=0)),
-            metadata=bearer_metadata(token),
+            metadata=bearer(token),
             timeout=10,
         )
     state: int = status.state
@@ -83,12 +88,12 @@ def test_a_restarted_coordinator_actor_answers_from_its_journal(
         async with grpc.aio.insecure_channel(handle.target) as channel:
             stub = pb_grpc.ReductionCoordinatorStub(channel)
             lost = stub.Reduce(
-                workload.request(job, 1, world, 0), metadata=bearer_metadata(token), timeout=30
+                workload.request(job, 1, world, 0), metadata=bearer(token), timeout=30
             )
             key = pb.RoundKey(job=job, group="actor", step=0)
             for _ in range(1_000):
                 status = await stub.GetRound(
-                    pb.GetRoundRequest(round=key), metadata=bearer_metadata(token), timeout=5
+                    pb.GetRoundRequest(round=key), metadata=bearer(token), timeout=5
                 )
                 if 1 in status.arrived_ranks:
                     break

@@ -92,7 +92,7 @@ def _soak(serve_factory: Any, workload: Any, *, world: int, rounds: int, fault_r
     job = "soak"
     server = serve_factory(
         # A small finished-round cache so memory reaches its plateau early in the run.
-        args=["--finished-cache-size", "32", "--retained-steps", "64", "--round-timeout", "120"]
+        args=["--finished-cache-size", "32", "--retained-steps", "64", "--round-timeout-s", "120"]
     )
     warmup = max(rounds // 5, 64)
     faults: collections.Counter[str] = collections.Counter()

@@ -22,11 +22,12 @@ import ray
 from ray.exceptions import RayActorError
 
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from lossreduce.trainer_worker.train.cli import main
+from lossreduce.trainer_worker.train.cli import PROG, main
 from lossreduce.trainer_worker.train.driver import RunResult, run
 from lossreduce.trainer_worker.train.outputs import StepRecord
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.worker_group import TrainingFailedError, worker_name
+from tests.conftest import flag_error
 from tests.trainer_worker.train.ray_harness import local_ray
 
 pytestmark = pytest.mark.ray
@@ -250,34 +251,59 @@ def test_empty_step_raises_on_every_rank_with_the_torch_backend_too(tmp_path: Pa
 def test_bad_arguments_give_one_line_naming_flag_and_value(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert err.startswith("lossreduce train: error: ")
-    assert expected in err
+    assert expected in flag_error(main, argv, capsys, PROG)
+
+
+def _wait_for_death(actor: Any, pid: int, who: str) -> None:
+    """ray.kill only requests the kill: wait until the process ``pid`` no longer
+    answers (calls fail, or a new incarnation answers with another pid)."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(actor.pid.remote(), timeout=60) != pid:
+                return
+        except RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{who} (pid {pid}) still answers 60 s after ray.kill")
 
 
 class KillCoordinator:
-    """Kills the embedded coordinator actor (letting Ray restart it) before ``step`` trains."""
+    """Kills the embedded coordinator actor (letting Ray restart it) before ``step``
+    trains, waits for it to die, and after that step records the pid that served it."""
 
     def __init__(self, job: str, step: int) -> None:
         self.job, self.step = job, step
+        self.pids: tuple[int, int] | None = None
+        self._killed_pid = 0
+
+    def _actor(self) -> Any:
+        return ray.get_actor(f"lossreduce-coordinator-{self.job}")
 
     def on_rollout(self, step: int) -> None:
-        if step == self.step:
-            actor = ray.get_actor(f"lossreduce-coordinator-{self.job}")
-            ray.kill(actor, no_restart=False)
+        if step != self.step:
+            return
+        actor = self._actor()
+        self._killed_pid = ray.get(actor.pid.remote(), timeout=60)
+        ray.kill(actor, no_restart=False)
+        _wait_for_death(actor, self._killed_pid, "the coordinator actor")
 
     def on_step(self, record: StepRecord) -> None:
-        pass
+        if record.step == self.step:
+            # The step trained, so a coordinator answered it: a new incarnation.
+            self.pids = (self._killed_pid, ray.get(self._actor().pid.remote(), timeout=60))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_ray_restarts_a_dead_coordinator_actor_and_training_continues(tmp_path: Path) -> None:
     settings = tiny(tmp_path / "run", steps=3, job="restart")
-    result = run(settings, observers=[KillCoordinator("restart", step=1)])
+    killer = KillCoordinator("restart", step=1)
+    result = run(settings, observers=[killer])
     # Same address after the restart: the workers' retries reached it and every step trained.
     assert [(r.step, r.skipped) for r in result.records] == [(0, False), (1, False), (2, False)]
+    assert killer.pids is not None, "the kill never happened"
+    before, after = killer.pids
+    assert after != before, f"step 1 was served by the killed process {before}: no restart"
 
 
 @pytest.mark.timeout(300)

@@ -3,6 +3,7 @@ round timer, the gradient comparison of ``--verify``, failure messages."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import pytest
@@ -27,15 +28,33 @@ def test_every_rank_builds_the_same_initial_policy() -> None:
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-def test_timed_normalizer_passes_answers_and_errors_through() -> None:
-    timed = TimedNormalizer(LocalNormalizer(job="j", group="g"))
+class _SlowNormalizer:
+    """Takes ``delay_s`` per round, then answers like :class:`LocalNormalizer`."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.inner = LocalNormalizer(job="j", group="g")
+
+    def reduce(
+        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str] | None = None
+    ) -> dict[str, Tensor]:
+        time.sleep(self.delay_s)
+        return self.inner.reduce(step, partials, contracts)
+
+
+def test_timed_normalizer_times_each_round_and_passes_answers_and_errors_through() -> None:
+    slow = _SlowNormalizer(0.05)
+    timed = TimedNormalizer(slow)
     answer = timed.reduce(
         0, {"pg": torch.tensor(5.0, dtype=torch.float64)}, {"pg": "mean:token_mean"}
     )
     assert float(answer["pg"]) == 5.0
-    assert timed.last_seconds >= 0.0
+    # At least the round's own time; the upper bound only catches a wrong unit (ms, ns).
+    assert 0.05 <= timed.last_seconds < 5.0
+    slow.delay_s = 0.15
     with pytest.raises(EmptyNormalizerError, match="'pg'"):
         timed.reduce(1, {"pg": torch.tensor(0.0, dtype=torch.float64)}, {"pg": "mean:token_mean"})
+    assert 0.15 <= timed.last_seconds < 5.0  # a failed round is timed too
 
 
 def _grads(scale: float) -> Mapping[str, Tensor]:

@@ -1,0 +1,73 @@
+"""What a finished round keeps for a restarted coordinator, and how it comes back.
+
+An outcome handed to the :class:`~lossreduce.server.outcomes.OutcomeStore`
+carries a :class:`~lossreduce.server.outcomes.RoundRecord`: the round's
+contract and one digest per rank of the contribution that counted for it. A
+coordinator restarted on the store rebuilds the round from it, so a re-sent
+contribution is answered identically when it is the one that counted and
+refused as a conflict when it differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from lossreduce.contribution import Contribution
+
+from .outcomes import DIGEST_SIZE, RoundRecord
+
+__all__ = ["contribution_digest", "record_of", "restored_reference"]
+
+
+def contribution_digest(c: Contribution) -> bytes:
+    """``DIGEST_SIZE`` bytes identifying ``c`` exactly (what a restarted round compares a
+    re-send against); never all zeros."""
+    # repr round-trips every float exactly; + 0.0 makes -0.0 equal 0.0, as == does.
+    text = repr(
+        (
+            c.rank,
+            c.world_size,
+            c.terms,
+            tuple([v + 0.0 for v in c.values]),
+            c.contracts,
+            c.covers,
+            c.expansions,
+            c.zero_ranks,
+        )
+    )
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
+    return digest if any(digest) else b"\x01" * DIGEST_SIZE
+
+
+def record_of(reference: Contribution, slots: Sequence[Contribution | None]) -> RoundRecord:
+    """What the store keeps of a round opened by ``reference`` whose rank ``r`` sent
+    ``slots[r]`` (None when it did not arrive)."""
+    empty = bytes(DIGEST_SIZE)
+    digests: dict[int, bytes] = {}  # by id of the contribution: an aggregate fills several slots
+    parts = []
+    for c in slots:
+        if c is None:
+            parts.append(empty)
+            continue
+        digest = digests.get(id(c))
+        if digest is None:
+            digest = digests[id(c)] = contribution_digest(c)
+        parts.append(digest)
+    return RoundRecord(
+        reference.rank, reference.world_size, reference.terms, reference.contracts, b"".join(parts)
+    )
+
+
+def restored_reference(record: RoundRecord | None) -> Contribution:
+    """The first contribution of a round rebuilt from ``record``: its contract without
+    values (world size 0 and no terms when the journal predates records)."""
+    if record is None:
+        return Contribution(rank=0, world_size=0, terms=(), values=(), contracts=())
+    return Contribution(
+        rank=record.reference_rank,
+        world_size=record.world_size,
+        terms=record.terms,
+        values=(),
+        contracts=record.contracts,
+    )
