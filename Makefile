@@ -11,17 +11,22 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test lint typecheck pytest proto install install-dev bench clean
 
+# setuptools prints an "Editable installation" notice on every editable
+# install (a reminder that the source tree is imported in place, which is the
+# point here); silence that one notice and nothing else.
+PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Stamps re-run the install whenever pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e .
+	$(PIP_INSTALL) -e .
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev,trl]'
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
