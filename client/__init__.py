@@ -15,10 +15,12 @@ means the retry budget ran out or the call deadline passed;
 event loop cannot be served, and nothing was sent.
 
 :class:`ReductionClient` blocks; :class:`AsyncReductionClient` is its asyncio
-twin and the one implementation of both.
+twin and the one implementation of both. ``reduce_start`` sends a round without
+waiting for it (a :class:`PendingReduction`, or an asyncio task).
 """
 
 from lossreduce.client.aio import AsyncReductionClient, ClientState
+from lossreduce.client.pending import PendingReduction
 from lossreduce.client.settings import ClientSettings, channel_options
 from lossreduce.client.sync import ReductionClient
 from lossreduce.client.types import PartialValue, RoundResult
@@ -53,6 +55,7 @@ __all__ = [
     "LimitExceededError",
     "LossReduceError",
     "PartialValue",
+    "PendingReduction",
     "ReductionClient",
     "ReductionError",
     "RoundAbortedError",

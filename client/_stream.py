@@ -3,7 +3,12 @@
 The coordinator answers a stream's requests in request order, so matching is
 FIFO: each send appends a waiter to a queue under the write lock (the queue's
 order is the wire order), and one reader task resolves waiters front to back.
-Several steps may be in flight at once (pipelining). If the stream breaks —
+Several steps may be in flight at once (pipelining). With ``caller_reads``, a
+call that finds no read in progress reads its own answer instead of waking a
+reader task for it (one task step less per round, the common case of one
+call at a time); answers owed to calls queued behind it are read by a task.
+A caller cancelled mid-read (deadline, cancel) then cancels the stream with
+the read, as gRPC does, so the others re-send. If the stream breaks —
 the coordinator went away, the stream ended, or an answer does not match the
 round at the front of the queue — every waiter gets :class:`StreamBrokenError` and
 the client carries on with unary Reduce calls; contributions are idempotent,
@@ -47,23 +52,31 @@ class ReduceStreamSession:
     """One open ReduceStream call and its FIFO of waiting requests.
 
     Owned by one client on one event loop; :meth:`close` cancels the reader
-    task and the call.
+    task and the call. ``caller_reads``: see the module docstring.
     """
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, *, caller_reads: bool = False) -> None:
         self._call = call
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._write_lock = asyncio.Lock()
         # What broke the stream; each waiter gets its own StreamBrokenError.
         self._broken: status_pb2.Status | None = None
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._caller_reads = caller_reads
+        # Whether a read is in progress (a caller's or the reader task's).
+        self._reading = not caller_reads
+        self._reader: asyncio.Task[None] | None = (
+            None if caller_reads else asyncio.get_running_loop().create_task(self._read_loop())
+        )
 
     @property
     def broken(self) -> bool:
         return self._broken is not None
 
-    async def submit(self, request: pb.ReduceRequest) -> pb.ReduceResponse:
-        """Send ``request`` and wait for its answer (raises StreamBrokenError)."""
+    async def submit(
+        self, request: pb.ReduceRequest, sent: asyncio.Future[None] | None = None
+    ) -> pb.ReduceResponse:
+        """Send ``request`` and wait for its answer (raises StreamBrokenError);
+        ``sent``, if given, is marked done once the request is written."""
         if self._broken is not None:
             raise StreamBrokenError(self._broken)
         waiter = _Waiter(
@@ -86,29 +99,67 @@ class ReduceStreamSession:
                 # cancelled meanwhile; the waiter already holds StreamBrokenError.
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 self._break(_status_of(exc))
+        if sent is not None and not sent.done():
+            sent.set_result(None)
+        if self._caller_reads and not self._reading:
+            return await self._read_until(waiter)
         # If the caller gives up (deadline), the waiter stays queued so the
         # answer that still arrives for it is matched and dropped, not misrouted.
         return await waiter.future
 
     async def close(self) -> None:
         self._break(_status(code_pb2.CANCELLED, "the client closed the stream"))
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+    async def _read_until(self, waiter: _Waiter) -> pb.ReduceResponse:
+        """Read answers (in wire order) until ``waiter``'s has arrived."""
+        self._reading = True
+        try:
+            while not waiter.future.done() and await self._read_one():
+                pass
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.broken or (task is not None and task.cancelling()):
+                # gRPC cancelled the whole call with this caller's read.
+                self._break(_status(code_pb2.CANCELLED, "a stream read was cancelled"))
+                # This caller leaves; its own StreamBrokenError is nobody's to read.
+                if waiter.future.done():
+                    waiter.future.exception()
+                raise
+            # _break() cancelled the call meanwhile; the waiter holds why.
+        finally:
+            if self._waiters and self._broken is None:
+                # Answers owed to calls queued behind this one: a task reads them.
+                self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            else:
+                self._reading = False
+        return await waiter.future
 
     async def _read_loop(self) -> None:
+        """Without ``caller_reads``, for good; with it, while calls wait."""
+        self._reading = True
         try:
-            while True:
-                response = await self._call.read()
-                if response is grpc.aio.EOF:
-                    self._break(_status(code_pb2.UNAVAILABLE, "the coordinator ended the stream"))
-                    return
-                assert isinstance(response, pb.ReduceResponse)
-                self._deliver(response)
-                if self._broken is not None:
-                    return
+            while (not self._caller_reads or self._waiters) and await self._read_one():
+                pass
+        finally:
+            self._reading = False
+
+    async def _read_one(self) -> bool:
+        """Read and deliver one answer; False once the stream broke."""
+        try:
+            response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             self._break(_status_of(exc))
+            return False
+        if response is grpc.aio.EOF:
+            self._break(_status(code_pb2.UNAVAILABLE, "the coordinator ended the stream"))
+            return False
+        assert isinstance(response, pb.ReduceResponse)
+        self._deliver(response)
+        return self._broken is None
 
     def _deliver(self, response: pb.ReduceResponse) -> None:
         key = (response.round.job, response.round.group, response.round.step)

@@ -33,8 +33,11 @@ def channel_credentials(settings: ClientSettings) -> grpc.ChannelCredentials | N
         return None
     root = settings.tls_root_cert
     cert, key = settings.tls_client_cert, settings.tls_client_key
+    root_pem = settings.tls_root_cert_pem
+    if root is not None:
+        root_pem = _read_pem("tls_root_cert", root)
     return grpc.ssl_channel_credentials(
-        root_certificates=None if root is None else _read_pem("tls_root_cert", root),
+        root_certificates=root_pem,
         private_key=None if key is None else _read_pem("tls_client_key", key),
         certificate_chain=None if cert is None else _read_pem("tls_client_cert", cert),
     )

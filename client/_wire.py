@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from google.rpc import code_pb2, status_pb2
 
@@ -45,6 +46,7 @@ __all__ = [
     "coerce_partial",
     "deadline_error",
     "decode_status",
+    "normalizers_of",
     "parse_response",
     "unavailable_error",
 ]
@@ -94,12 +96,15 @@ def _as_double(value: object) -> float | str:
         return "a bool is not a partial normalizer"
     if isinstance(value, int | float):
         return float(value)
-    if isinstance(value, SupportsItem):
-        ndim = getattr(value, "ndim", 0)
+    # What isinstance(value, SupportsItem) checks, without a runtime Protocol
+    # check's cost on every tensor partial.
+    if callable(getattr(value, "item", None)):
+        scalar = cast(SupportsItem, value)
+        ndim = getattr(scalar, "ndim", 0)
         if ndim != 0:
-            shape = tuple(getattr(value, "shape", ()))
+            shape = tuple(getattr(scalar, "shape", ()))
             return f"a partial must be a 0-d tensor, got shape {list(shape)}"
-        item = value.item()
+        item = scalar.item()
         if isinstance(item, int | float) and not isinstance(item, bool):
             return float(item)
     return f"got {type(value).__name__}"
@@ -156,28 +161,37 @@ def build_request(
     return Outgoing(request, local_error)
 
 
-def parse_response(response: pb.ReduceResponse, ctx: RoundContext) -> RoundResult:
-    """The RoundResult of a successful response (``error`` unset or OK)."""
+def normalizers_of(response: pb.ReduceResponse, ctx: RoundContext) -> dict[str, float]:
+    """Term -> global normalizer of a successful response (``error`` unset or OK)."""
     key = response.round
-    if (key.job, key.group, key.step) != (ctx.job, ctx.group, ctx.step):
+    if key.step != ctx.step or key.job != ctx.job or key.group != ctx.group:
         raise ctx.error(
             LossReduceError,
             f"the coordinator answered for {describe_round(key.job, key.group, key.step)} instead",
         )
-    normalizers = {n.term: n.value for n in response.normalizers}
-    # The coordinator validated these; a non-finite value here would silently
-    # turn every scaled loss into NaN, so it is worth one cheap re-check.
-    bad = {term: value for term, value in normalizers.items() if not math.isfinite(value)}
-    if bad:
+    normalizers: dict[str, float] = {}
+    finite = True
+    for n in response.normalizers:
+        value = normalizers[n.term] = n.value
+        # The coordinator validated these; a non-finite value here would silently
+        # turn every scaled loss into NaN, so it is worth one cheap re-check.
+        finite = finite and math.isfinite(value)
+    if not finite:
+        bad = {term: value for term, value in normalizers.items() if not math.isfinite(value)}
         raise ctx.error(
             LossReduceError,
             f"the coordinator returned non-finite normalizers {bad}",
             terms=list(bad),
             values=list(bad.values()),
         )
+    return normalizers
+
+
+def parse_response(response: pb.ReduceResponse, ctx: RoundContext) -> RoundResult:
+    """The RoundResult of a successful response (``error`` unset or OK)."""
     return RoundResult(
         step=ctx.step,
-        normalizers=normalizers,
+        normalizers=normalizers_of(response, ctx),
         zero_ranks={n.term: n.zero_ranks for n in response.normalizers},
     )
 

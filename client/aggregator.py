@@ -1,6 +1,6 @@
 """Hierarchical aggregation: one contribution per node instead of one per rank.
 
-A node-local aggregator (the rank-0 worker of a node, or a per-node agent)
+A node-local aggregator (a per-node agent, :mod:`lossreduce.client.agent`)
 collects the partials of the ranks on its node, judges each rank's
 contribution alone as the coordinator would
 (:func:`lossreduce.contribution_check.check_contribution`), and sends the coordinator *one*
@@ -20,43 +20,63 @@ Guarantees kept:
   (the culprit gets INVALID_ARGUMENT, everyone else ABORTED naming it);
 - idempotency: the aggregated request is a pure function of the local
   contributions, so a re-sent identical request gets the identical outcome.
+  That is what makes the upstream stream safe to reopen: when it breaks, every
+  request still unanswered is sent again, unchanged, over a new one (within
+  the client's retry budget), and a decided round is answered from the
+  coordinator's stored outcome.
 
 :func:`node_requests` is the pure part; :class:`NodeAggregator` the asyncio
-shell around one upstream ``ReduceStream``, built and opened like
-:class:`~lossreduce.client.AsyncReductionClient` (target, job, group, world
-size, settings; ``open()``/``close()``); :meth:`NodeAggregator.local_rank` is
-one local rank's view with the client's ``reduce(step, partials, contracts)``.
+shell around one upstream ``ReduceStream`` (the client's own
+:class:`~lossreduce.client._stream.ReduceStreamSession`, credentials, backoff
+and error decoding), built and opened like
+:class:`~lossreduce.client.AsyncReductionClient`; :meth:`NodeAggregator.respond`
+hands back the coordinator's own responses (what an agent forwards to its
+ranks), :meth:`NodeAggregator.local_rank` is one local rank's view with the
+client's ``reduce(step, partials, contracts)``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
+from typing import Final, Protocol
 
-import grpc
+from google.rpc import code_pb2
 from pydantic import Field
 
-from lossreduce.client._transport import call_metadata, open_channel
+from lossreduce.client._wire import RoundContext, decode_status, parse_response
 from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
 from lossreduce.client.settings import ClientSettings
+from lossreduce.client.upstream import UpstreamStream, node_failure
 from lossreduce.contribution import Contribution
 from lossreduce.contribution_check import check_contribution
 from lossreduce.errors import (
     ConflictingContributionError,
-    CoordinatorUnavailableError,
     InvalidPartialError,
     LossReduceError,
     describe_round,
 )
-from lossreduce.status_codec import from_status
 from lossreduce.v2 import coordinator_pb2 as pb
-from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["AggregatorSettings", "LocalRank", "NodeAggregator", "node_requests"]
+__all__ = [
+    "FALLBACK_INVALID",
+    "FALLBACK_NODE_TIMEOUT",
+    "FALLBACK_UNKNOWN_RANKS",
+    "AggregatorObserver",
+    "AggregatorSettings",
+    "LocalRank",
+    "NodeAggregator",
+    "node_requests",
+]
+
+FALLBACK_INVALID: Final = "invalid"
+"""A local contribution was invalid or disagreed with its peers: each went up alone."""
+FALLBACK_NODE_TIMEOUT: Final = "node_timeout"
+"""Local ranks were missing at the node's deadline: the rest went up as they came."""
+FALLBACK_UNKNOWN_RANKS: Final = "unknown_ranks"
+"""The node did not know its local ranks yet (learned from its first successful round)."""
 
 
 class AggregatorSettings(ClientSettings):
@@ -69,9 +89,30 @@ class AggregatorSettings(ClientSettings):
         description=(
             "Seconds the node waits for all its local ranks of a round before it hands the "
             "coordinator the ranks that arrived (and each later one as it arrives); the "
-            "coordinator's round timeout then decides the round for every node alike."
+            "coordinator's round timeout then decides the round for every node alike. Keep it "
+            "below the coordinator's round timeout, so that timeout names only the ranks "
+            "that never came."
         ),
     )
+
+
+class AggregatorObserver(Protocol):
+    """What a node aggregator reports as it works (the agent's metrics implement it)."""
+
+    def round_forwarded(self, job: str, group: str) -> None:
+        """A round's first contribution went upstream."""
+
+    def fell_back(self, job: str, group: str, reason: str) -> None:
+        """A round's local ranks go upstream one by one; ``reason`` is a ``FALLBACK_*``."""
+
+    def upstream_reconnected(self, job: str, group: str) -> None:
+        """The upstream stream broke and a new one was opened."""
+
+    def upstream_failed(self, job: str, group: str, code: str) -> None:
+        """Local ranks got the node's own failure to reach the coordinator (status ``code``)."""
+
+    def round_answered(self, job: str, group: str, seconds: float) -> None:
+        """Every arrived local rank of a round has its answer, ``seconds`` after the first came."""
 
 
 def node_requests(
@@ -122,40 +163,60 @@ def node_requests(
     return [aggregated.request(key)]
 
 
+class _Send:
+    """One request of a round upstream, and the local ranks its answer is for."""
+
+    __slots__ = ("covered", "request", "task")
+
+    def __init__(self, request: pb.ReduceRequest) -> None:
+        self.request = request
+        self.covered: tuple[int, ...] = tuple(request.covered_ranks) or (request.rank,)
+        self.task: asyncio.Task[None] | None = None
+
+
 class _Step:
     """One round as seen by the node: local arrivals, what went upstream, and
-    every rank's answer (or the node's failure to get one)."""
+    every rank's answer."""
 
-    __slots__ = ("answers", "arrived", "failure", "flushing", "sent", "timer", "updated")
+    __slots__ = (
+        "answers",
+        "arrived",
+        "fallback",
+        "flushing",
+        "sends",
+        "sent",
+        "started",
+        "timer",
+        "transient",
+        "updated",
+    )
 
     def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
         self.arrived: dict[int, Contribution] = {}
         self.sent: set[int] = set()
         """Local ranks whose contribution went upstream (each goes once)."""
-        self.answers: dict[int, _Answer] = {}
-        """The coordinator's answer for each rank it answered."""
-        self.failure: CoordinatorUnavailableError | None = None
-        """Set when the stream ended before every arrived rank was answered."""
+        self.sends: list[_Send] = []
+        self.answers: dict[int, pb.ReduceResponse] = {}
+        """The answer for each rank answered: the coordinator's, or the node's own failure."""
+        self.transient: set[int] = set()
+        """Ranks whose answer is the node's own failure: a retry of theirs sends again."""
+        self.fallback: str | None = None
         self.flushing = False
-        """The node's deadline passed with local ranks missing: each rank goes
-        upstream as it arrives, and the coordinator decides the round."""
+        """Each rank goes upstream as it arrives: the node's deadline passed with local
+        ranks missing (the coordinator decides the round), or the local ranks are unknown."""
         self.timer: asyncio.TimerHandle | None = None
-        self.updated: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        """Resolved (then replaced) whenever answers come in or the step fails."""
+        self.started = loop.time()
+        self.updated: asyncio.Future[None] = loop.create_future()
+        """Resolved (then replaced) whenever answers come in."""
 
     def notify(self) -> None:
         updated, self.updated = self.updated, asyncio.get_running_loop().create_future()
         updated.set_result(None)
 
     def settled(self) -> bool:
-        """Every rank that arrived has its answer or the step failed, and nothing is in flight."""
-        return self.failure is not None or (
-            bool(self.arrived) and len(self.answers) == len(self.arrived)
-        )
-
-
-# A response and its normalizers decoded once (every rank of an aggregate shares it).
-_Answer = tuple[pb.ReduceResponse, dict[str, float]]
+        """Every rank that arrived has its answer."""
+        return bool(self.arrived) and len(self.answers) == len(self.arrived)
 
 
 class NodeAggregator:
@@ -175,12 +236,18 @@ class NodeAggregator:
     ranks: when it passes with local ranks missing, the node hands the
     coordinator the ranks that arrived (and each later one as it arrives), so
     the coordinator's round timeout decides the round for every node alike.
+    ``local_ranks=None`` learns them: until a round succeeds every rank goes up
+    alone, then the ranks of that round are the node's.
+
     Once a round is upstream the node waits for the coordinator's answer, which
-    the coordinator's round timeout bounds; if the stream ends first, every
-    rank still waiting gets :class:`~lossreduce.errors.CoordinatorUnavailableError`
-    at once, and so does every later call. The channel is the client's (TLS,
-    token and keepalive from ``settings``); it opens on :meth:`open` or the
-    first call.
+    the coordinator's round timeout bounds. If the stream breaks, the node opens
+    a new one and sends every unanswered request again (UNAVAILABLE is retried
+    with the client's backoff within ``retry_budget_s``); when that budget is
+    spent, or the coordinator refuses the node's credentials, each waiting rank
+    gets that failure (:class:`~lossreduce.errors.CoordinatorUnavailableError`,
+    :class:`~lossreduce.errors.AuthenticationError`), and a rank that retries
+    makes the node try again. The channel is the client's (TLS, token and
+    keepalive from ``settings``); it opens on :meth:`open` or the first call.
     """
 
     def __init__(
@@ -189,11 +256,12 @@ class NodeAggregator:
         *,
         job: str,
         group: str,
-        local_ranks: Sequence[int],
+        local_ranks: Sequence[int] | None,
         world_size: int,
         settings: AggregatorSettings | None = None,
+        observer: AggregatorObserver | None = None,
     ) -> None:
-        if not local_ranks:
+        if local_ranks is not None and not local_ranks:
             raise ValueError(f"job {job!r} group {group!r}: a node aggregator needs local ranks")
         if world_size < 1:
             raise ValueError(f"job {job!r} group {group!r}: world_size={world_size} must be >= 1")
@@ -202,50 +270,51 @@ class NodeAggregator:
         self.group = group
         self.world_size = world_size
         self.settings = settings if settings is not None else AggregatorSettings()
-        self._local = frozenset(local_ranks)
-        self._channel: grpc.aio.Channel | None = None
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._observer = observer
+        self._local = None if local_ranks is None else frozenset(local_ranks)
+        self._upstream = UpstreamStream(target, self.settings, self._reconnected)
         self._steps: dict[int, _Step] = {}
-        self._in_flight: deque[tuple[int, tuple[int, ...]]] = deque()
-        """Requests written upstream, oldest first: (step, the local ranks each answers)."""
-        self._write_lock = asyncio.Lock()
-        self._reader: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()
-        self._ended: str | None = None
-        """Why the stream to the coordinator is no longer usable (None while it is)."""
+        self._opened = False
+        self._closed = False
 
     def __repr__(self) -> str:
+        local = "learned" if self._local is None else sorted(self._local)
         return (
             f"{type(self).__name__}({self.target!r}, job={self.job!r}, group={self.group!r}, "
-            f"local_ranks={sorted(self._local)}, world_size={self.world_size})"
+            f"local_ranks={local}, world_size={self.world_size})"
         )
 
+    @property
+    def local_ranks(self) -> tuple[int, ...] | None:
+        """The node's ranks, in order; None while they are still to be learned."""
+        return None if self._local is None else tuple(sorted(self._local))
+
     async def open(self) -> None:
-        """Open the channel and the upstream stream on the running loop (done implicitly
-        by the first call); does nothing once open or closed."""
-        if self._channel is not None or self._ended is not None:
-            return
-        self._channel = open_channel(self.target, self.settings)
-        stub = pb_grpc.ReductionCoordinatorStub(self._channel)
-        self._call = stub.ReduceStream(metadata=call_metadata(self.settings))
-        self._reader = asyncio.create_task(self._read_answers())
+        """Open the channel on the running loop (done implicitly by the first call);
+        does nothing once open or closed."""
+        if not self._opened and not self._closed:
+            self._opened = True
+            self._upstream.open()
 
     async def close(self) -> None:
         """Close the upstream stream and the channel; ranks still waiting, and every
         later call, get :class:`~lossreduce.errors.CoordinatorUnavailableError`."""
-        if self._call is not None:
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                await self._call.done_writing()
-        tasks = [*self._flushes, *([self._reader] if self._reader is not None else [])]
-        for task in tasks:
+        self._closed = True
+        await self._upstream.close()
+        for task in list(self._flushes):
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._end("the node aggregator was closed")
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close()
+        tasks = [*self._flushes, *self._send_tasks()]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for step, state in self._steps.items():
+            self._answer_closed(step, state)
+
+    async def settle(self) -> None:
+        """Return once every request sent upstream so far has its answer (cancelling
+        this wait leaves the requests going)."""
+        tasks = self._send_tasks()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def __aenter__(self) -> NodeAggregator:
         await self.open()
@@ -259,60 +328,110 @@ class NodeAggregator:
     ) -> None:
         await self.close()
 
+    def serves(self, rank: int) -> bool:
+        """Whether ``rank`` is a local rank of this node (any rank while they are unknown)."""
+        return self._local is None or rank in self._local
+
     def local_rank(self, rank: int) -> LocalRank:
         """Local rank ``rank``'s view of this node, with the client's ``reduce``."""
-        if rank not in self._local:
+        if not self.serves(rank):
             raise ValueError(
                 f"job {self.job!r} group {self.group!r}: rank {rank} is not a local rank of "
-                f"this node {sorted(self._local)}"
+                f"this node {self.local_ranks}"
             )
         return LocalRank(self, rank)
+
+    async def forward_alone(self, request: pb.ReduceRequest) -> pb.ReduceResponse:
+        """Send one request upstream outside any round the node aggregates; its answer."""
+        await self.open()
+        response, _ = await self._upstream.submit(request)
+        return response
+
+    async def respond(
+        self, step: int, contributions: Sequence[Contribution]
+    ) -> list[pb.ReduceResponse]:
+        """The answer to each local rank's contribution, in the order given: the
+        coordinator's own response (error included), or the node's failure to get it.
+
+        Raises :class:`~lossreduce.errors.InvalidPartialError` for a rank that is not
+        local, :class:`~lossreduce.errors.ConflictingContributionError` for a rank that
+        gave this node another contribution for the round; nothing is sent then.
+        """
+        state = await self._arrive(step, contributions)
+        ranks = [c.rank for c in contributions]
+        while not all(r in state.answers for r in ranks):
+            # shield: a cancelled rank must not cancel the wake-up its node peers wait for.
+            await asyncio.shield(state.updated)
+        return [state.answers[r] for r in ranks]
 
     async def reduce_node(
         self, step: int, contributions: Sequence[Contribution]
     ) -> list[dict[str, float] | LossReduceError]:
-        """Every local rank's contribution at once (a node agent that already holds
-        them); each rank's normalizers or error, in the order given."""
-        state = await self._arrive(step, contributions)
-        await self._wait(state, [c.rank for c in contributions])
+        """Every local rank's contribution at once; each rank's normalizers or error
+        (decoded as the client decodes them), in the order given."""
+        responses = await self.respond(step, contributions)
         results: list[dict[str, float] | LossReduceError] = []
-        for c in contributions:
+        for c, response in zip(contributions, responses, strict=True):
+            ctx = RoundContext(self.job, self.group, step, c.rank, c.world_size)
+            if response.error.code != code_pb2.OK:
+                results.append(decode_status(response.error, ctx))
+                continue
             try:
-                results.append(self._answer(step, c.rank, state))
+                results.append(dict(parse_response(response, ctx).normalizers))
             except LossReduceError as err:
                 results.append(err)
         return results
+
+    def _send_tasks(self) -> list[asyncio.Task[None]]:
+        return [
+            s.task
+            for state in self._steps.values()
+            for s in state.sends
+            if s.task is not None and not s.task.done()
+        ]
+
+    def _reconnected(self) -> None:
+        if self._observer is not None:
+            self._observer.upstream_reconnected(self.job, self.group)
+
+    def _fall_back(self, state: _Step, reason: str) -> None:
+        if state.fallback is None:
+            state.fallback = reason
+            if self._observer is not None:
+                self._observer.fell_back(self.job, self.group, reason)
 
     async def _arrive(self, step: int, contributions: Sequence[Contribution]) -> _Step:
         await self.open()
         state = self._steps.get(step)
         if state is None:
             state = self._steps[step] = _Step()
-            # One deadline per round, not one timer per rank.
-            state.timer = asyncio.get_running_loop().call_later(
-                self.settings.node_timeout_s, self._flush, step, state
-            )
+            if self._local is None:
+                state.flushing = True
+                self._fall_back(state, FALLBACK_UNKNOWN_RANKS)
+            else:
+                # One deadline per round, not one timer per rank.
+                state.timer = asyncio.get_running_loop().call_later(
+                    self.settings.node_timeout_s, self._flush, step, state
+                )
         for c in contributions:
             self._check_local(step, c, state.arrived.get(c.rank))
+        retried = [c.rank for c in contributions if c.rank in state.transient]
+        for c in contributions:
             state.arrived[c.rank] = c
-        if self._ended is not None:
-            self._fail(step, state)
-        elif state.flushing or len(state.arrived) == len(self._local):
-            await self._send(step, state)
+        if self._closed:
+            self._answer_closed(step, state)
+            return state
+        for rank in retried:
+            self._resend(step, state, rank)
+        if state.flushing or (self._local is not None and len(state.arrived) == len(self._local)):
+            self._send(step, state)
         return state
-
-    @staticmethod
-    async def _wait(state: _Step, ranks: Iterable[int]) -> None:
-        ranks = tuple(ranks)
-        while state.failure is None and not all(r in state.answers for r in ranks):
-            # shield: a cancelled rank must not cancel the wake-up its node peers wait for.
-            await asyncio.shield(state.updated)
 
     def _check_local(self, step: int, c: Contribution, previous: Contribution | None) -> None:
         where = describe_round(self.job, self.group, step)
-        if c.rank not in self._local:
+        if not self.serves(c.rank):
             raise InvalidPartialError(
-                f"{where}: rank {c.rank} is not a local rank of this node {sorted(self._local)}",
+                f"{where}: rank {c.rank} is not a local rank of this node {self.local_ranks}",
                 job=self.job,
                 group=self.group,
                 step=step,
@@ -332,107 +451,90 @@ class NodeAggregator:
                 ranks=(c.rank,),
             )
 
-    def _answer(self, step: int, rank: int, state: _Step) -> dict[str, float]:
-        answer = state.answers.get(rank)
-        if answer is None:
-            assert state.failure is not None, f"step {step} rank {rank}: woken without an answer"
-            raise state.failure
-        response, normalizers = answer
-        if response.HasField("error") and response.error.code != 0:
-            raise from_status(response.error, job=self.job, group=self.group, step=step, rank=rank)
-        return dict(normalizers)
-
     def _flush(self, step: int, state: _Step) -> None:
         """The node's deadline for ``step``: local ranks are missing, so the
         coordinator (not this node) decides the round from here on."""
         state.timer = None
-        if state.failure is not None or len(state.sent) == len(self._local):
+        if self._closed or (self._local is not None and len(state.sent) == len(self._local)):
             return
         state.flushing = True
-        task = asyncio.create_task(self._send(step, state))
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
+        self._fall_back(state, FALLBACK_NODE_TIMEOUT)
+        self._send(step, state)
 
-    async def _send(self, step: int, state: _Step) -> None:
+    def _send(self, step: int, state: _Step) -> None:
         """Send upstream the arrived local ranks not sent yet (each rank goes once)."""
-        assert self._call is not None, "_arrive opens the stream before anything is sent"
         fresh = [c for r, c in state.arrived.items() if r not in state.sent]
         if not fresh:
             return
         state.sent.update(c.rank for c in fresh)
-        if len(state.sent) == len(self._local) and state.timer is not None:
+        complete = self._local is not None and len(state.sent) == len(self._local)
+        if complete and state.timer is not None:
             state.timer.cancel()
             state.timer = None
+        if not state.sends and self._observer is not None:
+            self._observer.round_forwarded(self.job, self.group)
         key = pb.RoundKey(job=self.job, group=self.group, step=step)
         requests = node_requests(key, fresh)
-        try:
-            async with self._write_lock:  # FIFO: requests go out in the order they were queued
-                for request in requests:
-                    if self._ended is not None:
-                        break
-                    covered = tuple(request.covered_ranks) or (request.rank,)
-                    self._in_flight.append((step, covered))
-                    await self._call.write(request)
-        except grpc.aio.AioRpcError as err:
-            self._end(f"writing to the coordinator failed: {err.code().name}: {err.details()}")
-        except asyncio.InvalidStateError:
-            self._end("the node's stream to the coordinator was closed for writing")
-        if self._ended is not None:
-            self._fail(step, state)
+        if len(fresh) > 1 and not requests[0].covered_ranks:
+            self._fall_back(state, FALLBACK_INVALID)
+        for request in requests:
+            send = _Send(request)
+            state.sends.append(send)
+            # Tasks start in creation order, so requests reach the stream in this order.
+            send.task = asyncio.create_task(self._deliver(step, state, send))
 
-    async def _read_answers(self) -> None:
-        assert self._call is not None
-        try:
-            while True:
-                response = await self._call.read()
-                if response is grpc.aio.EOF:
-                    self._end("the coordinator ended the node's stream")
-                    return
-                if not self._in_flight:
-                    self._end("the coordinator answered a request this node never sent")
-                    return
-                step, covered = self._in_flight.popleft()
-                state = self._steps[step]
-                answer = (response, {n.term: n.value for n in response.normalizers})
-                for rank in covered:
-                    state.answers[rank] = answer
-                state.notify()
-                if len(state.answers) == len(self._local):
-                    self._forget_before(step)
-        except grpc.aio.AioRpcError as err:
-            self._end(
-                f"the node's stream to the coordinator failed: {err.code().name}: {err.details()}"
+    def _resend(self, step: int, state: _Step, rank: int) -> None:
+        """A rank retries after the node's own failure: send its request again."""
+        for send in state.sends:
+            if rank in send.covered and (send.task is None or send.task.done()):
+                for r in send.covered:
+                    state.answers.pop(r, None)
+                    state.transient.discard(r)
+                send.task = asyncio.create_task(self._deliver(step, state, send))
+                return
+
+    async def _deliver(self, step: int, state: _Step, send: _Send) -> None:
+        response, own = await self._upstream.submit(send.request)
+        was_settled = state.settled()
+        for rank in send.covered:
+            state.answers[rank] = response
+            if own:
+                state.transient.add(rank)
+        if own and self._observer is not None and not self._closed:
+            self._observer.upstream_failed(
+                self.job, self.group, code_pb2.Code.Name(response.error.code)
             )
-
-    def _end(self, reason: str) -> None:
-        """The stream is unusable: fail every step still waiting, and every later one."""
-        if self._ended is None:
-            self._ended = reason
-        for step, state in self._steps.items():
-            self._fail(step, state)
-
-    def _fail(self, step: int, state: _Step) -> None:
-        if state.timer is not None:
-            state.timer.cancel()
-            state.timer = None
-        if state.settled():
-            return
-        waiting = sorted(set(state.arrived) - set(state.answers))
-        state.failure = CoordinatorUnavailableError(
-            f"{describe_round(self.job, self.group, step)}: {self._ended}; local ranks "
-            f"{waiting} got no answer (arrived: {sorted(state.arrived)} of {sorted(self._local)})",
-            job=self.job,
-            group=self.group,
-            step=step,
-            ranks=waiting,
-        )
         state.notify()
+        if state.settled() and not was_settled:
+            self._on_settled(step, state)
 
-    def _forget_before(self, step: int) -> None:
+    def _on_settled(self, step: int, state: _Step) -> None:
+        if self._observer is not None:
+            seconds = asyncio.get_running_loop().time() - state.started
+            self._observer.round_answered(self.job, self.group, seconds)
+        succeeded = all(r.error.code == code_pb2.OK for r in state.answers.values())
+        if self._local is None and succeeded:
+            # Every rank of the world contributed, so every rank of this node came here.
+            self._local = frozenset(state.arrived)
         # Keep a few finished steps for local retries; drop older settled ones. A step
         # still collecting its ranks or with a request in flight stays until it settles.
         for old in [s for s, st in self._steps.items() if s < step - 8 and st.settled()]:
             del self._steps[old]
+
+    def _answer_closed(self, step: int, state: _Step) -> None:
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+        waiting = [c for r, c in state.arrived.items() if r not in state.answers]
+        if not waiting:
+            return
+        key = pb.RoundKey(job=self.job, group=self.group, step=step)
+        for c in waiting:
+            state.answers[c.rank] = node_failure(
+                c.request(key), code_pb2.CANCELLED, "the node aggregator was closed"
+            )
+            state.transient.add(c.rank)
+        state.notify()
 
 
 class LocalRank:

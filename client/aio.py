@@ -1,7 +1,8 @@
 """The asyncio client: the one implementation of a rank's side of a round.
 
-:class:`lossreduce.client.ReductionClient` runs this same class on a private
-event loop, so the retry, stream and error logic below exists once.
+:class:`lossreduce.client.ReductionClient` runs this same class on an event
+loop driven by its caller's thread, so the retry, stream and error logic below
+exists once.
 
 A call goes out over the client's shared ReduceStream (or a unary Reduce when
 ``use_stream`` is off or the stream broke), waits at most ``call_timeout_s``
@@ -16,8 +17,9 @@ import asyncio
 import contextlib
 import enum
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
+from typing import TypeVar
 
 import grpc
 from google.rpc import code_pb2, status_pb2
@@ -30,6 +32,7 @@ from lossreduce.client._wire import (
     closed_error,
     deadline_error,
     decode_status,
+    normalizers_of,
     parse_response,
     unavailable_error,
 )
@@ -41,6 +44,8 @@ from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncReductionClient", "ClientState"]
+
+_T = TypeVar("_T")
 
 _MAX_STEP = 2**64 - 1  # RoundKey.step is a uint64
 _MAX_RANK = 2**32 - 1  # rank and world_size are uint32
@@ -201,8 +206,7 @@ class AsyncReductionClient:
         partial, is still sent (as NaN) so the peers abort at once, and this
         rank raises :class:`lossreduce.errors.InvalidPartialError` naming it.
         """
-        result = await self.reduce_detailed(step, partials, contracts)
-        return dict(result.normalizers)
+        return await self._round(step, partials, contracts, None, normalizers_of)
 
     async def reduce_detailed(
         self,
@@ -211,12 +215,55 @@ class AsyncReductionClient:
         contracts: Mapping[str, str] | None = None,
     ) -> RoundResult:
         """Like :meth:`reduce`, also returning how many ranks sent 0 per term."""
+        return await self._round(step, partials, contracts, None, parse_response)
+
+    def reduce_start(
+        self,
+        step: int,
+        partials: Mapping[str, PartialValue],
+        contracts: Mapping[str, str] | None = None,
+    ) -> asyncio.Task[dict[str, float]]:
+        """:meth:`reduce` as a task of the running loop, started at once.
+
+        The request goes out as soon as the caller next yields to the loop;
+        awaiting the task gives what :meth:`reduce` returns or raises.
+        Cancelling it stops waiting; the contribution, once sent, still counts
+        for the peers, and a stream cancelled with the wait is replaced by the
+        next call (calls queued on it re-send, which is idempotent).
+        """
+        return asyncio.get_running_loop().create_task(self.reduce(step, partials, contracts))
+
+    async def reduce_sending(
+        self,
+        step: int,
+        partials: Mapping[str, PartialValue],
+        contracts: Mapping[str, str] | None,
+        sent: asyncio.Future[None],
+    ) -> dict[str, float]:
+        """:meth:`reduce`, marking ``sent`` done once the request is written, its
+        first attempt failed, or the call ended (what
+        :meth:`lossreduce.client.ReductionClient.reduce_start` waits for)."""
+        try:
+            return await self._round(step, partials, contracts, sent, normalizers_of)
+        finally:
+            _mark(sent)
+
+    async def _round(
+        self,
+        step: int,
+        partials: Mapping[str, PartialValue],
+        contracts: Mapping[str, str] | None,
+        sent: asyncio.Future[None] | None,
+        parse: Callable[[pb.ReduceResponse, RoundContext], _T],
+    ) -> _T:
+        """The round's answer for this rank's contribution, through ``parse``."""
         self.check_open(step)
         ctx = self._context(step)
         outgoing = build_request(ctx, partials, contracts)
-        await self.open()
+        if self._state is not ClientState.OPEN or asyncio.get_running_loop() is not self._loop:
+            await self.open()
         try:
-            result = await self._reduce(ctx, outgoing.request)
+            result = parse(await self._reduce(ctx, outgoing.request, sent), ctx)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             # close() cancels the channel's calls; only a cancellation of the
@@ -258,16 +305,20 @@ class AsyncReductionClient:
     def _closed_while_waiting(self, step: int) -> ClientClosedError:
         return closed_error(self.job, self.group, self.rank, step, while_waiting=True)
 
-    async def _reduce(self, ctx: RoundContext, request: pb.ReduceRequest) -> RoundResult:
-        loop = asyncio.get_running_loop()
-        budget = RetryBudget(self._backoff, self.settings.retry_budget_s, self._rng)
+    async def _reduce(
+        self, ctx: RoundContext, request: pb.ReduceRequest, sent: asyncio.Future[None] | None
+    ) -> pb.ReduceResponse:
+        """The coordinator's OK answer to ``request``, retrying while it is unavailable."""
         via_stream = self.settings.use_stream
+        attempts = 0
+        # Built on the first failure only: most calls never need one.
+        budget: RetryBudget | None = None
         while True:
             if self._is_closed():
                 raise self._closed_while_waiting(ctx.step)
-            budget.record_attempt()
+            attempts += 1
             try:
-                response = await self._attempt(request, via_stream)
+                response = await self._attempt(request, via_stream, sent)
             except StreamBrokenError:
                 if self._is_closed():
                     raise self._closed_while_waiting(ctx.step) from None
@@ -283,9 +334,16 @@ class AsyncReductionClient:
                 self._raise_unless_retryable(status, ctx)
             else:
                 if response.error.code == code_pb2.OK:
-                    return parse_response(response, ctx)
+                    return response
                 status = response.error
                 self._raise_unless_retryable(status, ctx)
+            if sent is not None:
+                # A reduce_start() returns now; the retries go on in the task.
+                _mark(sent)
+            loop = asyncio.get_running_loop()
+            if budget is None:
+                budget = RetryBudget(self._backoff, self.settings.retry_budget_s, self._rng)
+            budget.attempts = attempts
             delay = budget.failed(loop.time())
             if delay is None:
                 raise unavailable_error(
@@ -304,15 +362,23 @@ class AsyncReductionClient:
             raise self._closed_while_waiting(ctx.step)
         raise decode_status(status, ctx)
 
-    async def _attempt(self, request: pb.ReduceRequest, via_stream: bool) -> pb.ReduceResponse:
+    async def _attempt(
+        self, request: pb.ReduceRequest, via_stream: bool, sent: asyncio.Future[None] | None
+    ) -> pb.ReduceResponse:
         assert self._stub is not None, "open() runs before any attempt"
         timeout = self.settings.call_timeout_s
         if via_stream:
-            session = await self._stream_session()
-            return await asyncio.wait_for(session.submit(request), timeout)
-        response: pb.ReduceResponse = await self._stub.Reduce(
-            request, timeout=timeout, metadata=self._metadata
-        )
+            session = self._stream
+            if session is None or session.broken:
+                session = await self._stream_session()
+            # A timer on this task rather than wait_for(): no task per call.
+            async with asyncio.timeout(timeout):
+                return await session.submit(request, sent)
+        call = self._stub.Reduce(request, timeout=timeout, metadata=self._metadata)
+        if sent is not None:
+            # The call's own task, scheduled before this mark, sends the request.
+            _mark(sent)
+        response: pb.ReduceResponse = await call
         return response
 
     async def _stream_session(self) -> ReduceStreamSession:
@@ -321,9 +387,15 @@ class AsyncReductionClient:
         current = self._stream
         if current is not None and not current.broken:
             return current
+        # This client's calls read their own answers: one task step less per round.
         session = self._stream = ReduceStreamSession(
-            self._stub.ReduceStream(metadata=self._metadata)
+            self._stub.ReduceStream(metadata=self._metadata), caller_reads=True
         )
         if current is not None:
             await current.close()
         return session
+
+
+def _mark(sent: asyncio.Future[None]) -> None:
+    if not sent.done():
+        sent.set_result(None)

@@ -108,6 +108,15 @@ class ClientSettings(BaseModel):
     tls_root_cert: Path | None = Field(
         default=None, description="PEM CA bundle the coordinator's certificate must chain to."
     )
+    tls_root_cert_pem: bytes | None = Field(
+        default=None,
+        repr=False,
+        description=(
+            "PEM CA bundle held in memory instead of a file (e.g. a training run's own CA, "
+            "handed over by its driver); takes the place of tls_root_cert, which must then "
+            "be unset."
+        ),
+    )
     tls_client_cert: Path | None = Field(
         default=None,
         description="PEM certificate chain presented to the coordinator (mutual TLS); needs tls_client_key.",
@@ -128,7 +137,12 @@ class ClientSettings(BaseModel):
         """Whether the channel is TLS (explicitly, or because a TLS file is set)."""
         return self.tls or any(
             path is not None
-            for path in (self.tls_root_cert, self.tls_client_cert, self.tls_client_key)
+            for path in (
+                self.tls_root_cert,
+                self.tls_root_cert_pem,
+                self.tls_client_cert,
+                self.tls_client_key,
+            )
         )
 
     @model_validator(mode="after")
@@ -137,6 +151,15 @@ class ClientSettings(BaseModel):
             raise ValueError(
                 "tls_client_cert and tls_client_key go together (mutual TLS needs both); got "
                 f"tls_client_cert={self.tls_client_cert} tls_client_key={self.tls_client_key}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_root(self) -> ClientSettings:
+        if self.tls_root_cert is not None and self.tls_root_cert_pem is not None:
+            raise ValueError(
+                f"tls_root_cert={self.tls_root_cert} and tls_root_cert_pem are two CA bundles; "
+                "set one"
             )
         return self
 

@@ -1,24 +1,28 @@
-"""The blocking client: :class:`AsyncReductionClient` on a private event loop.
+"""The blocking client: :class:`AsyncReductionClient` driven from the caller's thread.
 
 Training loops are synchronous, so this is the client most engines use. It
-owns one background thread running one event loop; every call is handed to
-that loop and the caller's thread blocks on the result. The logic lives in
-:mod:`lossreduce.client.aio` only.
+owns one event loop but no thread: the thread waiting for an answer runs the
+loop itself (see :mod:`lossreduce.client._driver`), so a round costs no thread
+hand-off. The logic lives in :mod:`lossreduce.client.aio` only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Coroutine, Mapping
 from types import TracebackType
 from typing import TypeVar
 
+from lossreduce.client._driver import LoopDriver, Waitable
 from lossreduce.client._wire import closed_error
 from lossreduce.client.aio import AsyncReductionClient, ClientState
+from lossreduce.client.pending import PendingReduction
 from lossreduce.client.settings import ClientSettings
 from lossreduce.client.types import PartialValue, RoundResult
+from lossreduce.errors import describe_round
 
 __all__ = ["ReductionClient"]
 
@@ -39,7 +43,8 @@ class ReductionClient:
             normalizers = client.reduce(step, {"pg": tokens})
 
     Thread-safe: several threads may call reduce() at once (e.g. pipelined
-    steps); the calls share one stream.
+    steps); the calls share one stream. :meth:`reduce_start` sends a round
+    and returns at once, so the caller can compute while the round completes.
     """
 
     def __init__(
@@ -55,14 +60,9 @@ class ReductionClient:
         self._client = AsyncReductionClient(
             target, job=job, group=group, rank=rank, world_size=world_size, settings=settings
         )
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever,
-            name=f"lossreduce-client-{job}-{group}-rank{rank}",
-            daemon=True,  # a client the caller forgot to close must not block exit
-        )
-        self._thread.start()
-        # Guards the hand-off to the loop against close() stopping it meanwhile.
+        self._driver = LoopDriver()
+        # Orders every start of work on the loop before close()'s shutdown, so
+        # the shutdown sees (and ends) all of it.
         self._lock = threading.Lock()
         self._stopped = False
 
@@ -107,9 +107,11 @@ class ReductionClient:
         partials: Mapping[str, PartialValue],
         contracts: Mapping[str, str] | None = None,
     ) -> dict[str, float]:
-        """See :meth:`AsyncReductionClient.reduce`; blocks until the round ends."""
-        result = self.reduce_detailed(step, partials, contracts)
-        return dict(result.normalizers)
+        """See :meth:`AsyncReductionClient.reduce`; blocks until the round ends.
+
+        The same as ``reduce_start(step, partials, contracts).result()``.
+        """
+        return self._run(self._client.reduce(step, partials, contracts), step=step)
 
     def reduce_detailed(
         self,
@@ -120,18 +122,42 @@ class ReductionClient:
         """See :meth:`AsyncReductionClient.reduce_detailed`."""
         return self._run(self._client.reduce_detailed(step, partials, contracts), step=step)
 
+    def reduce_start(
+        self,
+        step: int,
+        partials: Mapping[str, PartialValue],
+        contracts: Mapping[str, str] | None = None,
+    ) -> PendingReduction:
+        """Send this rank's partials for ``step`` and return without waiting for
+        the round; :meth:`PendingReduction.result` gives what :meth:`reduce`
+        would return (or raises what it would raise).
+
+        Returns once the request is written (or its first attempt failed); the
+        answer, and any retry, progresses while a thread waits on this client.
+        """
+        loop = self._driver.loop
+        sent: asyncio.Future[None] = loop.create_future()
+        work = self._spawn(self._client.reduce_sending(step, partials, contracts, sent), step)
+        # The round ending (in error, say) before the request went out also
+        # ends the wait: reduce_sending marks ``sent`` however it ends.
+        self._driver.wait(sent, None)
+        where = f"{describe_round(self.job, self.group, step)} rank {self.rank}"
+        return PendingReduction(
+            self._driver, work, functools.partial(self._outcome, work, step), where
+        )
+
     def close(self) -> None:
-        """Close the client and stop its thread; waiting calls raise ClientClosedError."""
+        """Close the client; calls in flight raise ClientClosedError."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
+            shutdown = self._driver.spawn(self._shutdown())
         try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+            self._driver.wait(shutdown, None)
+            shutdown.result()
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._driver.close()
 
     async def _shutdown(self) -> None:
         await self._client.close()
@@ -146,7 +172,7 @@ class ReductionClient:
         for task in leftovers:
             task.cancel()
         await asyncio.gather(*leftovers, return_exceptions=True)
-        await self._loop.shutdown_asyncgens()
+        await self._driver.loop.shutdown_asyncgens()
 
     def __enter__(self) -> ReductionClient:
         self.open()
@@ -160,24 +186,34 @@ class ReductionClient:
     ) -> None:
         self.close()
 
+    def _spawn(self, coro: Coroutine[object, object, _T], step: int | None) -> Waitable[_T]:
+        with self._lock:
+            if not self._stopped:
+                return self._driver.spawn(coro)
+        # close() has begun; the async client may not be marked closed yet
+        # (its _shutdown runs after the lock is released), so say it here.
+        coro.close()
+        raise closed_error(self.job, self.group, self.rank, step, while_waiting=False)
+
     def _run(self, coro: Coroutine[object, object, _T], step: int | None) -> _T:
         """Run ``coro`` on the client's loop and block for its result."""
-        with self._lock:
-            future = None if self._stopped else asyncio.run_coroutine_threadsafe(coro, self._loop)
-        if future is None:
-            # close() has begun; the async client may not be marked closed yet
-            # (its _shutdown runs after the lock is released), so say it here.
-            coro.close()
-            raise closed_error(self.job, self.group, self.rank, step, while_waiting=False)
+        work = self._spawn(coro, step)
         try:
-            return future.result()
-        except concurrent.futures.CancelledError:
+            self._driver.wait(work, None)
+        except BaseException:
+            # KeyboardInterrupt in the caller's thread: stop the call too.
+            self._driver.cancel(work)
+            raise
+        return self._outcome(work, step)
+
+    def _outcome(self, work: Waitable[_T], step: int | None) -> _T:
+        """The result of finished ``work``; a call that close() cancelled raises
+        ClientClosedError."""
+        try:
+            return work.result()
+        except (asyncio.CancelledError, concurrent.futures.CancelledError):
             if step is not None and self.state is ClientState.CLOSED:
                 raise closed_error(
                     self.job, self.group, self.rank, step, while_waiting=True
                 ) from None
-            raise
-        except BaseException:
-            # KeyboardInterrupt in the caller's thread: stop waiting on the loop too.
-            future.cancel()
             raise

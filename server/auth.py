@@ -48,6 +48,7 @@ from lossreduce.status_codec import to_status
 from lossreduce.v2 import coordinator_pb2 as pb
 
 from .handler_wrap import Handler, checked, refusing, with_behavior
+from .wire_guard import Undecodable
 
 __all__ = [
     "AUTHORIZATION_HEADER",
@@ -219,6 +220,8 @@ def _scoped(method: str, handler: Handler, grant: TokenGrant) -> Handler:
     name = method.removeprefix(_SERVICE)
 
     def own_round(request: Any) -> grpc.Status | None:
+        if isinstance(request, Undecodable):
+            return None  # names no job; the servicer answers it INVALID_ARGUMENT
         job: str = request.round.job
         return None if grant.allows(job) else _denied(grant, job)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from lossreduce.errors import InvalidPartialError
 
-__all__ = ["check_request_names"]
+__all__ = ["check_contract_lengths", "check_group_names", "check_request_names"]
 
 _QUOTE = 32
 
@@ -40,16 +40,13 @@ def _name_problem(name: str, max_length: int) -> str | None:
     return None
 
 
-def check_request_names(
-    key: tuple[str, str, int],
-    rank: int,
-    terms: tuple[str, ...],
-    contracts: tuple[str, ...],
-    *,
-    max_name_length: int,
-    max_contract_length: int,
+def check_group_names(
+    key: tuple[str, str, int], rank: int, *, max_name_length: int
 ) -> InvalidPartialError | None:
-    """Why a contribution to round ``key`` (job, group, step) breaks a name limit, or None."""
+    """Why the job or group name of round ``key`` (job, group, step) breaks a limit, or None.
+
+    The round table asks once per group, when a contribution would open it: the
+    names of a group that exists were judged when it was opened."""
     job, group, step = key
     for what, name in (("job", job), ("group", group)):
         problem = _name_problem(name, max_length=max_name_length)
@@ -62,6 +59,19 @@ def check_request_names(
                 rank=rank,
                 limit="max_name_length",
             )
+    return None
+
+
+def check_contract_lengths(
+    key: tuple[str, str, int],
+    rank: int,
+    terms: tuple[str, ...],
+    contracts: tuple[str, ...],
+    *,
+    max_contract_length: int,
+) -> InvalidPartialError | None:
+    """Why a contract string of a contribution to round ``key`` is too long, or None."""
+    job, group, step = key
     for term, contract in zip(terms, contracts, strict=True):
         if len(contract) > max_contract_length:
             return InvalidPartialError(
@@ -76,3 +86,22 @@ def check_request_names(
                 limit="max_contract_length",
             )
     return None
+
+
+def check_request_names(
+    key: tuple[str, str, int],
+    rank: int,
+    terms: tuple[str, ...],
+    contracts: tuple[str, ...],
+    *,
+    max_name_length: int,
+    max_contract_length: int,
+) -> InvalidPartialError | None:
+    """Why a contribution to round ``key`` (job, group, step) breaks a name limit, or None:
+    :func:`check_group_names`, then :func:`check_contract_lengths`."""
+    named = check_group_names(key, rank, max_name_length=max_name_length)
+    if named is not None:
+        return named
+    return check_contract_lengths(
+        key, rank, terms, contracts, max_contract_length=max_contract_length
+    )

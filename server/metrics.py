@@ -46,8 +46,9 @@ class _GroupSeries:
     duration: Histogram
     straggler: Histogram
     rounds: dict[OutcomeKind, Counter]
-    terms: set[str] = field(default_factory=set)
-    """Terms with a global normalizer series (removed with the group)."""
+    terms: dict[str, tuple[Gauge, Gauge]] = field(default_factory=dict)
+    """Per term with a series: its global normalizer and zero-partial-ranks children
+    (bound once, not per term per round; removed with the group)."""
     reasons: set[RejectReason] = field(default_factory=set)
     """Reasons with a rejection series (removed with the group)."""
 
@@ -167,10 +168,15 @@ class CoordinatorMetrics:
         if straggler_wait_s is not None:
             series.straggler.observe(straggler_wait_s)
         for normalizer in outcome.normalizers:
-            series.terms.add(normalizer.term)
-            labels = (key.job, key.group, normalizer.term)
-            self.global_normalizer.labels(*labels).set(normalizer.value)
-            self.zero_partial_ranks.labels(*labels).set(normalizer.zero_ranks)
+            children = series.terms.get(normalizer.term)
+            if children is None:
+                labels = (key.job, key.group, normalizer.term)
+                children = series.terms[normalizer.term] = (
+                    self.global_normalizer.labels(*labels),
+                    self.zero_partial_ranks.labels(*labels),
+                )
+            children[0].set(normalizer.value)
+            children[1].set(normalizer.zero_ranks)
 
     def group_forgotten(self, job: str, group: str) -> None:
         series = self._groups.pop((job, group), None)

@@ -40,22 +40,16 @@ def contribution_digest(c: Contribution) -> bytes:
     return digest if any(digest) else b"\x01" * DIGEST_SIZE
 
 
-def record_of(reference: Contribution, slots: Sequence[Contribution | None]) -> RoundRecord:
-    """What the store keeps of a round opened by ``reference`` whose rank ``r`` sent
-    ``slots[r]`` (None when it did not arrive)."""
+def record_of(reference: Contribution, digests: Sequence[bytes | None]) -> RoundRecord:
+    """What the store keeps of a round opened by ``reference`` whose rank ``r`` sent a
+    contribution with digest ``digests[r]`` (None when it did not arrive)."""
     empty = bytes(DIGEST_SIZE)
-    digests: dict[int, bytes] = {}  # by id of the contribution: an aggregate fills several slots
-    parts = []
-    for c in slots:
-        if c is None:
-            parts.append(empty)
-            continue
-        digest = digests.get(id(c))
-        if digest is None:
-            digest = digests[id(c)] = contribution_digest(c)
-        parts.append(digest)
     return RoundRecord(
-        reference.rank, reference.world_size, reference.terms, reference.contracts, b"".join(parts)
+        reference.rank,
+        reference.world_size,
+        reference.terms,
+        reference.contracts,
+        b"".join([empty if d is None else d for d in digests]),
     )
 
 

@@ -41,7 +41,7 @@ from lossreduce.errors import (
 )
 from lossreduce.rules import check_global_normalizer
 
-from .limits import check_request_names
+from .limits import check_contract_lengths, check_group_names
 from .outcomes import (
     Outcome,
     OutcomeKind,
@@ -70,6 +70,7 @@ class Round:
         "contributions",
         "created_at",
         "deadline",
+        "digests",
         "finished_at",
         "handle",
         "key",
@@ -88,6 +89,9 @@ class Round:
         self.reference = reference
         # Indexed by rank; the world size is bounded by max_world_size before a round opens.
         self.contributions: list[Contribution | None] = [None] * reference.world_size
+        self.digests: list[bytes | None] = []
+        """With an outcome store: per rank, the digest of the contribution that counted,
+        taken as it arrived so the last arrival does not hash the whole round."""
         self.arrived = 0
         self.created_at = now
         self.deadline = now + timeout_s
@@ -170,10 +174,10 @@ class RoundTable:
 
     def contribute(self, key: RoundKey, c: Contribution, now: float) -> Admission:
         """Add one rank's contribution; see :class:`Admission` for the answer."""
-        limit_error = self._check_request_limits(key, c)
+        group = self._jobs.get(key.job, {}).get(key.group)
+        limit_error = self._check_request_limits(key, c, group)
         if limit_error is not None:
             return Admission(None, limit_error)
-        group = self._jobs.get(key.job, {}).get(key.group)
         rnd = self._find(group, key)
         created = False
         if rnd is None:
@@ -222,6 +226,8 @@ class RoundTable:
 
         for rank in c.ranks:
             rnd.contributions[rank] = c
+        if self._store is not None:
+            self._keep_digest(rnd, c)
         rnd.arrived += len(c.ranks)
         rnd.previous_arrival, rnd.last_arrival = rnd.last_arrival, now
         self._notify_accepted(key, retry=False)
@@ -311,18 +317,23 @@ class RoundTable:
 
     # -- internals --------------------------------------------------------------
 
-    def _check_request_limits(self, key: RoundKey, c: Contribution) -> LossReduceError | None:
+    def _check_request_limits(
+        self, key: RoundKey, c: Contribution, group: StepWindow | None
+    ) -> LossReduceError | None:
         s = self._settings
-        named = check_request_names(
-            key,
-            c.rank,
-            c.terms,
-            c.contracts,
-            max_name_length=s.max_name_length,
-            max_contract_length=s.max_contract_length,
-        )
-        if named is not None:
-            return named
+        if group is None:
+            # A group's job and group names were judged when it was opened.
+            named = check_group_names(key, c.rank, max_name_length=s.max_name_length)
+            if named is not None:
+                return named
+        if group is None or c.contracts != group.judged_contracts:
+            long_contract = check_contract_lengths(
+                key, c.rank, c.terms, c.contracts, max_contract_length=s.max_contract_length
+            )
+            if long_contract is not None:
+                return long_contract
+            if group is not None:
+                group.judged_contracts = c.contracts
         for name, value, limit in (
             ("max_terms", len(c.terms), s.max_terms),
             ("max_world_size", c.world_size, s.max_world_size),
@@ -468,6 +479,14 @@ class RoundTable:
         )
         return Admission(None, err)
 
+    @staticmethod
+    def _keep_digest(rnd: Round, c: Contribution) -> None:
+        if not rnd.digests:
+            rnd.digests = [None] * rnd.world_size
+        digest = contribution_digest(c)
+        for rank in c.ranks:
+            rnd.digests[rank] = digest
+
     def _reject_invalid(
         self, rnd: Round, rank: int, invalid: ContributionProblem, now: float, created: bool
     ) -> Admission:
@@ -523,7 +542,8 @@ class RoundTable:
         if self._store is not None and outcome.kind is not OutcomeKind.ABORTED_SHUTDOWN:
             # Durable before any rank can see it (a restarted coordinator answers retries from it).
             outcome = dataclasses.replace(
-                outcome, record=record_of(rnd.reference, rnd.contributions)
+                outcome,
+                record=record_of(rnd.reference, rnd.digests or [None] * rnd.world_size),
             )
             self._store.put(outcome)
         rnd.outcome = outcome

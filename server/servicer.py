@@ -1,10 +1,15 @@
 """The grpc.aio servicer: protos in, round table calls, protos out. No arithmetic.
 
-Every rank of a round awaits the same ``asyncio.Future`` (one wake-up per
-round, not per rank) and one ``loop.call_later`` timer per round enforces the
-deadline. A finished round's answers (response proto and rich status) are
-encoded once and handed to every rank; only the culprit of an invalid
-contribution, or a rank that listed its terms in another order, gets its own.
+Each waiting rank parks one bare ``asyncio.Future`` on its round (no task,
+no shield: a cancelled caller cancels only its own future; a stream's is its
+answering side's one idle future, see :class:`_Stream`) and one
+``loop.call_later`` timer per round enforces the deadline. A finished round's
+answers (response proto and rich status) are encoded once and handed to every
+rank; only the culprit of an invalid contribution, or a rank that listed its
+terms in another order, gets its own.
+
+The contribution methods answer the wire guard's :class:`Undecodable` markers
+themselves, so a stream's requests pass through no extra generator layers.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -28,6 +34,7 @@ from .metrics import CoordinatorMetrics
 from .outcomes import OutcomeKind, RoundKey
 from .round_table import Admission, Contribution, Round, RoundTable
 from .validation import completed_terms_mismatch
+from .wire_guard import Undecodable
 
 __all__ = ["CoordinatorServicer", "round_status"]
 
@@ -40,10 +47,10 @@ _Answer = tuple[pb.ReduceResponse, grpc.Status | None]
 class _RoundWire:
     """The servicer's state of one round, kept in ``Round.handle``."""
 
-    __slots__ = ("culprit", "error", "future", "ok", "ok_terms", "timer")
+    __slots__ = ("culprit", "error", "ok", "ok_terms", "timer", "waiters")
 
     def __init__(self) -> None:
-        self.future: asyncio.Future[None] | None = None
+        self.waiters: list[asyncio.Future[None]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.ok: _Answer | None = None
         self.ok_terms: tuple[str, ...] = ()
@@ -136,6 +143,51 @@ def round_status(rnd: Round, now: float) -> pb.RoundStatus:
     return status
 
 
+def _collecting(item: tuple[Contribution, Admission] | grpc.Status) -> Round | None:
+    """The round ``item`` still waits for, or None when it can be answered now."""
+    if isinstance(item, grpc.Status):
+        return None
+    rnd = item[1].round
+    return rnd if rnd is not None and rnd.outcome is None else None
+
+
+class _Stream:
+    """What a ``ReduceStream``'s reader hands its answering generator: admitted
+    requests (or the refusal that ends the input) in request order.
+
+    The answering side sleeps on one future, ``idle``, until the oldest request
+    can be answered. When a request arrives while nothing is pending and its
+    round is still collecting, the reader parks ``idle`` on that round instead
+    of setting it: the round's end wakes the answering side once, rather than
+    the arrival and then the round's end each waking it (one task wake-up per
+    message instead of two at every world size)."""
+
+    __slots__ = ("ended", "idle", "pending")
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[Contribution, Admission] | grpc.Status] = deque()
+        self.idle: asyncio.Future[None] | None = None
+        """Pending while the answering side sleeps."""
+        self.ended = False
+
+    def push(self, item: tuple[Contribution, Admission] | grpc.Status) -> None:
+        self.pending.append(item)
+        idle = self.idle
+        if idle is None or idle.done():
+            return
+        rnd = _collecting(item)
+        if rnd is not None and len(self.pending) == 1:
+            _wire(rnd).waiters.append(idle)
+        else:
+            idle.set_result(None)
+
+    def end(self) -> None:
+        self.ended = True
+        idle = self.idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
+
 class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore[misc]
     """``lossreduce.v2.ReductionCoordinator`` over one :class:`RoundTable`."""
 
@@ -168,17 +220,21 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
         return c, admission
 
     async def _respond(self, c: Contribution, admission: Admission) -> _Answer:
+        rnd = admission.round
+        if rnd is not None and rnd.outcome is None:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            _wire(rnd).waiters.append(waiter)
+            await waiter
+        return self._answer_now(c, admission)
+
+    @staticmethod
+    def _answer_now(c: Contribution, admission: Admission) -> _Answer:
+        """The answer to an admitted contribution whose round has ended (or that was refused)."""
         if admission.error is not None:
             r = admission.error
             return _error_answer(RoundKey(r.job, r.group, r.step or 0), r)
         rnd = admission.round
-        assert rnd is not None
-        if rnd.outcome is None:
-            wire = _wire(rnd)
-            if wire.future is None:
-                wire.future = asyncio.get_running_loop().create_future()
-            # shield: a cancelled caller must not cancel the round's shared future.
-            await asyncio.shield(wire.future)
+        assert rnd is not None  # (and ended: _answer checks)
         return _answer(rnd, c)
 
     def _on_deadline(self, rnd: Round) -> None:
@@ -191,8 +247,10 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
             if wire.timer is not None:
                 wire.timer.cancel()
                 wire.timer = None
-            if wire.future is not None and not wire.future.done():
-                wire.future.set_result(None)
+            waiters, wire.waiters = wire.waiters, []
+            for waiter in waiters:
+                if not waiter.done():  # a cancelled caller's
+                    waiter.set_result(None)
         if self._table.closing and self._table.live_count == 0:
             self._drained.set()
 
@@ -203,8 +261,11 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
     # -- RPCs -------------------------------------------------------------------
 
     async def Reduce(  # noqa: N802 (gRPC method name)
-        self, request: pb.ReduceRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ReduceRequest | Undecodable, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReduceResponse:
+        if isinstance(request, Undecodable):
+            await context.abort_with_status(request.status("Reduce"))
+            return pb.ReduceResponse()  # not reached: abort_with_status raises
         response, abort_with = await self._respond(*self._admit(request))
         if abort_with is not None:
             self._count_error("Reduce", response.error)
@@ -213,16 +274,34 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
 
     async def ReduceStream(  # noqa: N802 (gRPC method name)
         self,
-        request_iterator: AsyncIterator[pb.ReduceRequest],
+        request_iterator: AsyncIterator[pb.ReduceRequest | Undecodable],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ReduceResponse]:
         # Requests are admitted as they arrive (a worker may pipeline several
-        # steps) and answered strictly in request order.
-        pending: asyncio.Queue[tuple[Contribution, Admission] | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._read_stream(request_iterator, pending))
+        # steps, each waiting on other ranks) and answered strictly in request
+        # order: the reader admits, this generator answers the oldest.
+        stream = _Stream()
+        pending = stream.pending
+        loop = asyncio.get_running_loop()
+        reader = asyncio.create_task(self._read_stream(request_iterator, stream))
         try:
-            while (item := await pending.get()) is not None:
-                response, abort_with = await self._respond(*item)
+            while True:
+                waiting_for = _collecting(pending[0]) if pending else None
+                if waiting_for is not None or not (pending or stream.ended):
+                    idle = stream.idle = loop.create_future()
+                    if waiting_for is not None:
+                        _wire(waiting_for).waiters.append(idle)
+                    await idle
+                    continue
+                if not pending:
+                    break
+                item = pending.popleft()
+                if isinstance(item, grpc.Status):
+                    # Undecodable bytes name no round: the stream ends with their status,
+                    # after the answers owed to the requests before them.
+                    await context.abort_with_status(item)
+                    break  # not reached: abort_with_status raises
+                response, abort_with = self._answer_now(*item)
                 if abort_with is not None:
                     self._count_error("ReduceStream", response.error)
                 yield response
@@ -232,15 +311,16 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
                 await reader
 
     async def _read_stream(
-        self,
-        request_iterator: AsyncIterator[pb.ReduceRequest],
-        pending: asyncio.Queue[tuple[Contribution, Admission] | None],
+        self, request_iterator: AsyncIterator[pb.ReduceRequest | Undecodable], stream: _Stream
     ) -> None:
         try:
             async for request in request_iterator:
-                pending.put_nowait(self._admit(request))
+                if isinstance(request, Undecodable):
+                    stream.push(request.status("ReduceStream"))
+                    return
+                stream.push(self._admit(request))
         finally:
-            pending.put_nowait(None)
+            stream.end()
 
     async def GetRound(  # noqa: N802 (gRPC method name)
         self, request: pb.GetRoundRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -22,7 +22,15 @@ __all__ = ["StepWindow"]
 class StepWindow:
     """The live and recently finished rounds of one ``(job, group)``, by step."""
 
-    __slots__ = ("evicted", "finished", "last_activity", "live", "newest_step", "stale_floor")
+    __slots__ = (
+        "evicted",
+        "finished",
+        "judged_contracts",
+        "last_activity",
+        "live",
+        "newest_step",
+        "stale_floor",
+    )
 
     def __init__(self, now: float) -> None:
         self.live: dict[int, Round] = {}
@@ -36,6 +44,10 @@ class StepWindow:
         self.evicted: set[int] = set()
         self.stale_floor = -1
         self.last_activity = now
+        self.judged_contracts: tuple[str, ...] = ()
+        """The last contract strings found within ``max_contract_length`` in this group:
+        a contribution repeating them (every rank of every step, normally) is not
+        measured again."""
 
     def retire(self, rnd: Round, settings: CoordinatorSettings) -> None:
         """Move the just finished ``rnd`` from live to the cache, evicting the oldest."""

@@ -8,6 +8,12 @@ interceptor swaps in a deserializer that turns such bytes into an
 (``InvalidPartialError``) naming the method and the parse error. Undecodable
 bytes name no round, so a stream answers the requests before them and then
 ends with that status.
+
+The contribution methods (``Reduce``, ``ReduceStream``) answer markers in the
+servicer itself, which looks at every request anyway: wrapping them here
+would add a coroutine per call and two async-generator layers per stream
+message for a check that is one ``isinstance``. Only the other methods get
+the checking wrapper.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from grpc_status import rpc_status
 from lossreduce.errors import InvalidPartialError
 from lossreduce.status_codec import to_status
 
-from .handler_wrap import Handler, checked
+from .handler_wrap import Handler, checked, with_behavior
 
-__all__ = ["MalformedRequestInterceptor", "Undecodable"]
+__all__ = ["SELF_CHECKING_METHODS", "MalformedRequestInterceptor", "Undecodable"]
 
 _SERVICE = "/lossreduce.v2.ReductionCoordinator/"
+
+SELF_CHECKING_METHODS: frozenset[str] = frozenset({"Reduce", "ReduceStream"})
+"""Methods whose servicer answers :class:`Undecodable` markers itself."""
 
 
 class Undecodable:
@@ -37,6 +46,15 @@ class Undecodable:
     def __init__(self, size: int, reason: str) -> None:
         self.size = size
         self.reason = reason
+
+    def status(self, method: str) -> grpc.Status:
+        """The INVALID_ARGUMENT status answering this marker on ``method`` (its short
+        name, ``ReduceStream``, or the full path)."""
+        path = method if method.startswith("/") else _SERVICE + method
+        err = InvalidPartialError(
+            f"{path}: a {self.size}-byte message is not a valid request: {self.reason}"
+        )
+        return rpc_status.to_status(to_status(err))
 
 
 def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -78,14 +96,14 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[m
 
     @staticmethod
     def _wrap(method: str, handler: Handler) -> Handler:
-        """``handler`` with a tolerant deserializer and a check for its markers."""
+        """``handler`` with a tolerant deserializer and, unless its servicer looks for
+        markers itself, a check for them."""
+        tolerant = _tolerant(handler.request_deserializer)
+        if method.removeprefix(_SERVICE) in SELF_CHECKING_METHODS:
+            behavior = handler.stream_stream if handler.request_streaming else handler.unary_unary
+            return with_behavior(handler, behavior, tolerant)
 
         def well_formed(request: Any) -> grpc.Status | None:
-            if not isinstance(request, Undecodable):
-                return None
-            err = InvalidPartialError(
-                f"{method}: a {request.size}-byte message is not a valid request: {request.reason}"
-            )
-            return rpc_status.to_status(to_status(err))
+            return request.status(method) if isinstance(request, Undecodable) else None
 
-        return checked(handler, well_formed, _tolerant(handler.request_deserializer))
+        return checked(handler, well_formed, tolerant)

@@ -14,6 +14,15 @@ term's local normalizers over all its microbatches, obtains the global
 normalizers once, then per microbatch scales the loss (mean: ``v * n_b / N``,
 sum: ``v / N``), runs backward, and steps the optimizer once.
 
+The normalizers depend only on the microbatches (a ``normalizer_fn`` sees the
+microbatch, never the model output), so the engine starts the round
+(:meth:`GlobalNormalizer.start`) before the first microbatch's forward and
+waits for it only before the first backward: the round hides behind that
+forward. A failed round raises on every rank at that wait, before any
+backward; the forward already done is dropped, and the gradients and the
+optimizer are untouched. ``overlap=False`` waits before the first forward
+instead (the order of an engine that needs the output for the normalizers).
+
 Gradient sync: the scaled losses already divide by the *global* normalizer,
 so the gradients of the ranks must be **summed**. DDP (and ``all_reduce``
 with ``AVG``) divides by the world size instead; ``grad_average_world_size``
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -33,7 +43,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lossreduce.errors import EmptyNormalizerError, ReductionConfigError, ReductionInputError
-from lossreduce.trainer_worker.normalizers import GlobalNormalizer, OnEmptyStep
+from lossreduce.trainer_worker.normalizers import GlobalNormalizer, NormalizerHandle, OnEmptyStep
 from lossreduce.trainer_worker.policy_gradient import forced_local_sums
 from lossreduce.trainer_worker.reduction import (
     Batch,
@@ -42,6 +52,7 @@ from lossreduce.trainer_worker.reduction import (
     LossReduction,
     NormalizerFn,
     check_local_consistency,
+    floats_of,
     local_partials,
     scaled_loss,
 )
@@ -72,7 +83,11 @@ class StepStats:
 
     ``loss`` and ``terms`` are this rank's shares of the global loss (they sum
     over ranks to the global values); ``normalizers`` are the global ones,
-    empty when the step was skipped.
+    empty when the step was skipped. ``normalizer_wait_s`` is how long this
+    rank was blocked waiting for the round, ``round_latency_s`` how long the
+    round took from its start to its answer (see
+    :attr:`NormalizerHandle.latency_s`); neither is in :meth:`as_dict`, which
+    holds the step's numbers only.
     """
 
     step: int
@@ -83,6 +98,8 @@ class StepStats:
     local_normalizers: dict[str, float]
     n_microbatches: int
     skip_reason: str = ""
+    normalizer_wait_s: float = 0.0
+    round_latency_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Flat ``dict[str, float]`` (the callback contract's return type)."""
@@ -225,6 +242,13 @@ class TorchTrainEngine:
     :class:`InconsistentNormalizerError` where ``mean * n_b != sum``; it
     relies on the mean terms being computed with
     :meth:`PolicyGradientReduction.aggregate`.
+
+    ``overlap`` (default True): start the normalizer round before the first
+    microbatch's forward and wait for it right before the first backward
+    (train) or the first loss scaling (eval). False: wait before the first
+    forward. The numbers are the same either way, bit for bit; only the time
+    a rank spends blocked (:attr:`StepStats.normalizer_wait_s`) differs. A
+    rank without microbatches has no forward to overlap and waits at once.
     """
 
     def __init__(
@@ -240,6 +264,7 @@ class TorchTrainEngine:
         grad_sync: Callable[[nn.Module], None] | None = None,
         debug_check: bool = False,
         start_step: int = 0,
+        overlap: bool = True,
     ) -> None:
         if on_empty_step not in ("raise", "skip"):
             raise ReductionConfigError(f"on_empty_step={on_empty_step!r} must be 'raise' or 'skip'")
@@ -264,13 +289,14 @@ class TorchTrainEngine:
         self.grad_average_world_size = grad_average_world_size
         self.grad_sync = grad_sync
         self.debug_check = debug_check
+        self.overlap = overlap
         self.step = start_step
         """The step number of the next reduction round (train and eval share it)."""
 
     def __repr__(self) -> str:
         return (
             f"TorchTrainEngine(normalizer={self.normalizer!r}, step={self.step}, "
-            f"on_empty_step={self.on_empty_step!r})"
+            f"on_empty_step={self.on_empty_step!r}, overlap={self.overlap})"
         )
 
     # The callback contract.
@@ -297,14 +323,16 @@ class TorchTrainEngine:
         self.model.train()
         microbatches = list(self.splitter(input))
         local = local_partials(reduction, microbatches)
-        normalizers, skip_reason = self._reduce(step, local, reduction)
-        local_n = {k: float(v) for k, v in local.partials.items()}
-        if normalizers is None:
-            return StepStats(step, True, 0.0, {}, {}, local_n, len(microbatches), skip_reason)
-        self.optimizer.zero_grad(set_to_none=True)
-        if not microbatches:
-            # The round was agreed: the peers now sync gradients, so this rank must too.
-            self._zero_backward()
+        pending = _Pending.start(self.normalizer, step, local, reduction)
+        answer: _Answer | None = None
+        if not (self.overlap and microbatches):
+            answer = self._wait(pending)
+            if answer.normalizers is None:
+                return self._skipped(step, local, len(microbatches), answer)
+            self.optimizer.zero_grad(set_to_none=True)
+            if not microbatches:
+                # The round was agreed: the peers now sync gradients, so this rank must too.
+                self._zero_backward()
         shares: list[dict[str, Tensor]] = []
         for index, microbatch in enumerate(microbatches):
             last = index == len(microbatches) - 1
@@ -321,11 +349,22 @@ class TorchTrainEngine:
                         means=losses,
                         local=local,
                     )
+                if answer is None:
+                    # The first forward ran while the round was in flight. A failed
+                    # round raises here, before any backward; a skipped one drops
+                    # this forward. Either way the gradients are untouched.
+                    answer = self._wait(pending)
+                    if answer.normalizers is None:
+                        return self._skipped(step, local, len(microbatches), answer)
+                    self.optimizer.zero_grad(set_to_none=True)
+                assert answer.normalizers is not None  # a skipped round returned above
                 total, term_shares = scaled_loss(
-                    reduction, losses, local.per_microbatch[index], normalizers
+                    reduction, losses, local.per_microbatch[index], answer.normalizers
                 )
                 torch.autograd.backward(total * self.grad_average_world_size)
             shares.append({k: v.detach() for k, v in term_shares.items()})
+        assert answer is not None  # awaited before the first backward
+        assert answer.normalizers is not None
         if self.grad_sync is not None:
             for param in self.model.parameters():
                 if param.requires_grad and param.grad is None:
@@ -338,9 +377,11 @@ class TorchTrainEngine:
             skipped=False,
             loss=math.fsum(terms.values()),
             terms=terms,
-            normalizers={k: float(v) for k, v in normalizers.items()},
-            local_normalizers=local_n,
+            normalizers=_as_floats(answer.normalizers),
+            local_normalizers=_as_floats(local.partials),
             n_microbatches=len(microbatches),
+            normalizer_wait_s=answer.wait_s,
+            round_latency_s=answer.latency_s,
         )
 
     def eval_batch_with_reduction(self, input: Batch, reduction: LossReduction) -> EvalResult:
@@ -352,12 +393,20 @@ class TorchTrainEngine:
             with torch.no_grad():
                 microbatches = list(self.splitter(input))
                 local = local_partials(reduction, microbatches)
-                normalizers, _ = self._reduce(step, local, reduction)
+                pending = _Pending.start(self.normalizer, step, local, reduction)
+                # The first output is computed while the round is in flight.
+                outputs = (
+                    [self.forward_fn(self.model, microbatches[0])]
+                    if self.overlap and microbatches
+                    else []
+                )
+                normalizers = self._wait(pending).normalizers
                 if normalizers is None:
                     return EvalResult(step, True, 0.0, {})
                 shares = []
                 for index, microbatch in enumerate(microbatches):
-                    losses = reduction.losses(self.forward_fn(self.model, microbatch), microbatch)
+                    output = outputs.pop() if outputs else self.forward_fn(self.model, microbatch)
+                    losses = reduction.losses(output, microbatch)
                     _, term_shares = scaled_loss(
                         reduction, losses, local.per_microbatch[index], normalizers
                     )
@@ -370,7 +419,7 @@ class TorchTrainEngine:
             skipped=False,
             loss=math.fsum(terms.values()),
             terms=terms,
-            normalizers={k: float(v) for k, v in normalizers.items()},
+            normalizers=_as_floats(normalizers),
         )
 
     def _take_step(self) -> int:
@@ -378,17 +427,42 @@ class TorchTrainEngine:
         self.step += 1
         return step
 
-    def _reduce(
-        self, step: int, local: LocalPartials, reduction: LossReduction
-    ) -> tuple[dict[str, Tensor] | None, str]:
-        """The global normalizers, or (None, why) for a skipped empty step."""
+    def _wait(self, pending: _Pending) -> _Answer:
+        """The round's answer, or no normalizers (with why) for a skipped empty step."""
+        before = time.perf_counter()
         try:
-            return self.normalizer.reduce(step, local.partials, reduction.contracts), ""
+            normalizers: dict[str, Tensor] | None = pending.handle.wait()
+            reason = ""
         except EmptyNormalizerError as err:
             # Every rank gets the same error, so every rank takes the same branch.
-            if self.on_empty_step == "skip":
-                return None, str(err)
-            raise
+            if self.on_empty_step != "skip":
+                raise
+            normalizers, reason = None, str(err)
+        after = time.perf_counter()
+        latency = pending.handle.latency_s
+        return _Answer(
+            normalizers=normalizers,
+            skip_reason=reason,
+            wait_s=after - before,
+            latency_s=after - pending.started if latency is None else latency,
+        )
+
+    @staticmethod
+    def _skipped(
+        step: int, local: LocalPartials, n_microbatches: int, answer: _Answer
+    ) -> StepStats:
+        return StepStats(
+            step=step,
+            skipped=True,
+            loss=0.0,
+            terms={},
+            normalizers={},
+            local_normalizers=_as_floats(local.partials),
+            n_microbatches=n_microbatches,
+            skip_reason=answer.skip_reason,
+            normalizer_wait_s=answer.wait_s,
+            round_latency_s=answer.latency_s,
+        )
 
     def _zero_backward(self) -> None:
         """A zero loss whose backward gives every trainable parameter a zero gradient.
@@ -448,6 +522,35 @@ class TorchTrainEngine:
             local.per_microbatch[index],
             where=f"step {step} microbatch {index}",
         )
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A started round and when this engine started it."""
+
+    handle: NormalizerHandle
+    started: float
+
+    @classmethod
+    def start(
+        cls, normalizer: GlobalNormalizer, step: int, local: LocalPartials, reduction: LossReduction
+    ) -> _Pending:
+        started = time.perf_counter()
+        return cls(normalizer.start(step, local.partials, reduction.contracts), started)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A round's normalizers (None: a skipped empty step, see ``skip_reason``) and its times."""
+
+    normalizers: dict[str, Tensor] | None
+    skip_reason: str
+    wait_s: float
+    latency_s: float
+
+
+def _as_floats(values: dict[str, Tensor]) -> dict[str, float]:
+    return dict(zip(values, floats_of(list(values.values())), strict=True))
 
 
 def _sum_shares(reduction: LossReduction, shares: Sequence[dict[str, Tensor]]) -> dict[str, float]:

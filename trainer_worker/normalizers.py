@@ -25,14 +25,23 @@ so every backend gives bit-identical normalizers for the same data, and every
 backend returns them in the caller's term order (the order of ``partials``).
 ``contracts`` is optional everywhere: ``None`` sends the empty contract for
 every term.
+
+Every backend has a blocking ``reduce`` and a non-blocking ``start``, which
+returns a :class:`NormalizerHandle` while the round is in flight, so an engine
+can run a forward pass meanwhile (``reduce`` is ``start(...).wait()``). A
+handle's ``wait`` returns the same normalizers or raises the same error as
+``reduce``, again on every call. Each step's partials are turned into floats
+with one device-to-host copy for all terms (one device sync, not one per term).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -50,13 +59,17 @@ from lossreduce.errors import (
     format_terms,
 )
 from lossreduce.rules import check_global_normalizer, check_partial, check_term_name, exact_sum
+from lossreduce.trainer_worker.reduction import floats_of
 
 __all__ = [
     "CoordinatorNormalizer",
     "GlobalNormalizer",
     "LocalNormalizer",
+    "NormalizerHandle",
     "OnEmptyStep",
+    "ReadyHandle",
     "SupportsReduce",
+    "SupportsResult",
     "TorchDistributedNormalizer",
 ]
 
@@ -68,8 +81,42 @@ reports the step as skipped."""
 
 
 @runtime_checkable
+class NormalizerHandle(Protocol):
+    """A round in flight, as :meth:`GlobalNormalizer.start` returns it."""
+
+    def done(self) -> bool:
+        """True once :meth:`wait` would not block."""
+        ...
+
+    def wait(self) -> dict[str, Tensor]:
+        """The round's normalizers, as ``reduce`` returns them, or its error
+        (the same error again on every call)."""
+        ...
+
+    @property
+    def latency_s(self) -> float | None:
+        """Seconds from the start of the round to its answer (None until known).
+
+        The answer's arrival where the backend reports it (a torch.distributed
+        work future); otherwise the first :meth:`done` or :meth:`wait` that saw
+        it, an upper bound."""
+        ...
+
+
+@runtime_checkable
 class GlobalNormalizer(Protocol):
     """Sums per-term partials over all ranks of one step."""
+
+    def start(
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
+    ) -> NormalizerHandle:
+        """Start the round and return at once (a backend may block for a round
+        trip it cannot defer; its docstring says so). Errors are raised by the
+        handle's ``wait``."""
+        ...
 
     def reduce(
         self,
@@ -103,11 +150,6 @@ def _malformed(
     )
 
 
-def _scalar(partial: Tensor) -> float:
-    """A one-element partial (any shape) as a double."""
-    return float(partial.detach().to(torch.float64).reshape(()))
-
-
 def _local_values(
     rnd: RankContext, partials: Mapping[str, Tensor], contracts: Mapping[str, str] | None
 ) -> tuple[list[str], list[float], list[str]]:
@@ -119,7 +161,7 @@ def _local_values(
     if problems:
         raise _malformed(rnd, problems, partials)
     terms = sorted(partials)
-    values = [_scalar(partials[t]) for t in terms]
+    values = floats_of([partials[t] for t in terms])
     return terms, values, [contracts[t] if contracts is not None else "" for t in terms]
 
 
@@ -178,14 +220,108 @@ def _finish(
             values=values,
         )
     total_of = dict(zip(terms, totals, strict=True))
-    return {t: torch.tensor(total_of[t], dtype=torch.float64, device=device) for t in order}
+    names = list(order)
+    # One host-to-device copy for all terms: [terms] float64, split into 0-d views.
+    stacked = torch.tensor([total_of[t] for t in names], dtype=torch.float64, device=device)
+    return dict(zip(names, stacked.unbind(0), strict=True))
 
 
 def _device(partials: Mapping[str, Tensor]) -> torch.device:
     return next(iter(partials.values())).device if partials else torch.device("cpu")
 
 
-class LocalNormalizer:
+class _Round:
+    """A handle's shared part: the answer or error once known, and when it came.
+
+    Subclasses say whether the answer is there (``done``) and how to collect
+    it (``_collect``, called by the first ``wait`` only).
+    """
+
+    def __init__(self, started: float | None = None) -> None:
+        self._started = time.perf_counter() if started is None else started
+        self._answered: float | None = None
+        self._result: dict[str, Tensor] | None = None
+        self._error: LossReduceError | None = None
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self._answered is None else self._answered - self._started
+
+    def _stamp(self) -> None:
+        if self._answered is None:
+            self._answered = time.perf_counter()
+
+    def _collect(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def wait(self) -> dict[str, Tensor]:
+        if self._result is None and self._error is None:
+            try:
+                self._result = self._collect()
+            except LossReduceError as err:
+                self._error = err
+            finally:
+                self._stamp()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return dict(self._result)
+
+
+class ReadyHandle(_Round):
+    """A round answered when it starts: ``answer`` runs at once, and ``wait``
+    returns what it returned or raises what it raised.
+
+    For one process, and for a backend with only a blocking reduce: its
+    ``start`` may be ``ReadyHandle(lambda: self.reduce(step, partials, contracts))``.
+    """
+
+    def __init__(self, answer: Callable[[], dict[str, Tensor]]) -> None:
+        super().__init__()
+        self._answer = answer
+        # A round's error is raised by wait(), like every backend's: keep it for then.
+        with contextlib.suppress(LossReduceError):
+            self.wait()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "answered"
+        return f"ReadyHandle({state}, latency_s={self.latency_s})"
+
+    def done(self) -> bool:
+        return True
+
+    def _collect(self) -> dict[str, Tensor]:
+        return self._answer()
+
+
+def _raising(error: LossReduceError) -> Callable[[], dict[str, Tensor]]:
+    def answer() -> dict[str, Tensor]:
+        raise error
+
+    return answer
+
+
+class _Backend:
+    """What every backend shares: ``reduce`` is ``start(...).wait()``."""
+
+    def start(
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
+    ) -> NormalizerHandle:
+        raise NotImplementedError
+
+    def reduce(
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
+    ) -> dict[str, Tensor]:
+        return self.start(step, partials, contracts).wait()
+
+
+class LocalNormalizer(_Backend):
     """One process: the global normalizer is the local partial, validated."""
 
     def __init__(self, *, job: str = "local", group: str = "default") -> None:
@@ -195,11 +331,17 @@ class LocalNormalizer:
     def __repr__(self) -> str:
         return f"LocalNormalizer(job={self.job!r}, group={self.group!r})"
 
-    def reduce(
+    def start(
         self,
         step: int,
         partials: Mapping[str, Tensor],
         contracts: Mapping[str, str] | None = None,
+    ) -> NormalizerHandle:
+        """Answered at once: there is no peer to wait for."""
+        return ReadyHandle(lambda: self._answer(step, partials, contracts))
+
+    def _answer(
+        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str] | None
     ) -> dict[str, Tensor]:
         rnd = RankContext(self.job, self.group, step, 0)
         terms, values, _ = _local_values(rnd, partials, contracts)
@@ -216,7 +358,7 @@ def _contract_digest(step: int, terms: Sequence[str], contracts: Sequence[str]) 
     return [float(step), float(len(terms)), float(digest)]
 
 
-class TorchDistributedNormalizer:
+class TorchDistributedNormalizer(_Backend):
     """torch.distributed: gather every rank's partials and sum them in rank order.
 
     Two small collectives per step over ``process_group`` (``None``: the
@@ -224,6 +366,8 @@ class TorchDistributedNormalizer:
     terms, digest of the term names and contracts), so ranks that disagree all
     raise :class:`ContractMismatchError` before any shape-dependent
     collective; then an ``all_gather`` of the ``[terms]`` float64 partials.
+    :meth:`start` blocks for the first (the second is sized by it) and only
+    starts the second (``async_op``); the handle's ``wait`` waits for it.
 
     Why gather rather than ``all_reduce``: every rank then sees every rank's
     partials, so (a) every rank validates the same rows and raises the same
@@ -270,44 +414,106 @@ class TorchDistributedNormalizer:
         local = torch.tensor(row, dtype=torch.float64, device=device)
         rows = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(rows, local, group=self.process_group)
-        return [[float(v) for v in r.tolist()] for r in rows]
+        # One device-to-host copy for the [world, len(row)] table.
+        return [[float(v) for v in r] for r in torch.stack(rows).tolist()]
 
-    def reduce(
+    def start(
         self,
         step: int,
         partials: Mapping[str, Tensor],
         contracts: Mapping[str, str] | None = None,
-    ) -> dict[str, Tensor]:
+    ) -> NormalizerHandle:
+        """Exchange the headers (blocking: the partials' collective is sized by
+        them), then start the partials' ``all_gather`` without waiting for it."""
+        started = time.perf_counter()
         rnd = RankContext(self.job, self.group, step, self.rank)
         device = _device(partials)
         try:
             terms, values, term_contracts = _local_values(rnd, partials, contracts)
             header = _contract_digest(step, terms, term_contracts)
-        except InvalidPartialError:
+        except InvalidPartialError as err:
             # Still take part in the header exchange (a header no peer can match)
             # so the peers abort instead of waiting for this rank forever.
             self._gather([float(step), -1.0, -1.0], device)
-            raise
+            return ReadyHandle(_raising(err))
         headers = self._gather(header, device)
         disagree = [r for r, h in enumerate(headers) if h != headers[0]]
         if disagree:
-            raise rnd.error(
-                ContractMismatchError,
-                f"ranks disagree on the step, term names or contracts (rank 0 differs from "
-                f"ranks {disagree}); this rank sends "
-                f"{dict(zip(terms, term_contracts, strict=True))}",
-                terms=terms,
-                ranks=[0, *disagree],
+            return ReadyHandle(
+                _raising(
+                    rnd.error(
+                        ContractMismatchError,
+                        f"ranks disagree on the step, term names or contracts (rank 0 differs "
+                        f"from ranks {disagree}); this rank sends "
+                        f"{dict(zip(terms, term_contracts, strict=True))}",
+                        terms=terms,
+                        ranks=[0, *disagree],
+                    )
+                )
             )
-        rows = self._gather(values, device)
-        _raise_for_invalid(rnd, rows, terms)
-        totals = [exact_sum(row[i] for row in rows) for i in range(len(terms))]
-        return _finish(rnd, terms, totals, device, partials)
+        return _TorchRound(
+            self, rnd, terms=terms, values=values, device=device, order=partials, started=started
+        )
+
+
+class _TorchRound(_Round):
+    """The partials' ``all_gather`` in flight (an ``async_op`` work handle)."""
+
+    def __init__(
+        self,
+        normalizer: TorchDistributedNormalizer,
+        rnd: RankContext,
+        *,
+        terms: list[str],
+        values: list[float],
+        device: torch.device,
+        order: Iterable[str],
+        started: float,
+    ) -> None:
+        super().__init__(started)
+        self._rnd = rnd
+        self._terms = terms
+        self._device = device
+        self._order = list(order)
+        local = torch.tensor(values, dtype=torch.float64, device=device)  # [terms]
+        self._rows = [torch.empty_like(local) for _ in range(normalizer.world_size)]
+        work = dist.all_gather(self._rows, local, group=normalizer.process_group, async_op=True)
+        assert work is not None  # async_op=True always returns a work handle
+        self._work = work
+        # A backend without work futures: the answer is stamped when first seen.
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            work.get_future().add_done_callback(lambda _: self._stamp())
+
+    def __repr__(self) -> str:
+        return f"_TorchRound(step={self._rnd.step}, rank={self._rnd.rank}, done={self.done()})"
+
+    def done(self) -> bool:
+        if self._result is not None or self._error is not None:
+            return True
+        finished = bool(self._work.is_completed())
+        if finished:
+            self._stamp()
+        return finished
+
+    def _collect(self) -> dict[str, Tensor]:
+        self._work.wait()
+        rows = torch.stack(self._rows).tolist()  # [world, terms], one device sync
+        _raise_for_invalid(self._rnd, rows, self._terms)
+        totals = [exact_sum(row[i] for row in rows) for i in range(len(self._terms))]
+        return _finish(self._rnd, self._terms, totals, self._device, self._order)
+
+
+class SupportsResult(Protocol):
+    """A coordinator round in flight (:class:`lossreduce.client.PendingReduction`)."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> dict[str, float]: ...
 
 
 class SupportsReduce(Protocol):
     """What :class:`CoordinatorNormalizer` needs of the coordinator client
-    (:class:`lossreduce.client.ReductionClient`): its identity and ``reduce``."""
+    (:class:`lossreduce.client.ReductionClient`): its identity and ``reduce_start``."""
 
     @property
     def job(self) -> str: ...
@@ -321,15 +527,42 @@ class SupportsReduce(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def reduce(
+    def reduce_start(
         self,
         step: int,
         partials: Mapping[str, float],
         contracts: Mapping[str, str] | None = None,
-    ) -> dict[str, float]: ...
+    ) -> SupportsResult: ...
 
 
-class CoordinatorNormalizer:
+class _PendingRound(_Round):
+    """A coordinator round in flight; ``collect`` turns the client's answer into
+    the normalizers (or the error) once it is there."""
+
+    def __init__(
+        self,
+        pending: SupportsResult,
+        collect: Callable[[SupportsResult], dict[str, Tensor]],
+        started: float,
+    ) -> None:
+        super().__init__(started)
+        self._pending = pending
+        self._collect_from = collect
+
+    def __repr__(self) -> str:
+        return f"_PendingRound({self._pending!r})"
+
+    def done(self) -> bool:
+        finished = self._pending.done()
+        if finished:
+            self._stamp()
+        return finished
+
+    def _collect(self) -> dict[str, Tensor]:
+        return self._collect_from(self._pending)
+
+
+class CoordinatorNormalizer(_Backend):
     """The reduction coordinator over gRPC, through a connected client.
 
     The coordinator applies the rules of :mod:`lossreduce.rules` to every
@@ -341,6 +574,9 @@ class CoordinatorNormalizer:
     for every term it names, so the coordinator aborts the round for the
     peers; this rank then raises :class:`InvalidPartialError` saying what was
     malformed (chained to the coordinator's answer).
+
+    ``start`` sends the partials with the client's ``reduce_start`` and
+    returns without waiting for the answer.
     """
 
     def __init__(self, client: SupportsReduce) -> None:
@@ -349,31 +585,43 @@ class CoordinatorNormalizer:
     def __repr__(self) -> str:
         return f"CoordinatorNormalizer({self.client!r})"
 
-    def reduce(
+    def start(
         self,
         step: int,
         partials: Mapping[str, Tensor],
         contracts: Mapping[str, str] | None = None,
-    ) -> dict[str, Tensor]:
+    ) -> NormalizerHandle:
+        started = time.perf_counter()
         client = self.client
         rnd = RankContext(client.job, client.group, step, client.rank)
         problems = _problems(partials, contracts)
         if not problems:
-            values = {t: _scalar(p) for t, p in partials.items()}
-            answer = client.reduce(step, values, contracts)
-            terms = sorted(answer)
-            if terms != sorted(partials):
-                raise rnd.error(
-                    LossReduceError,
-                    f"the coordinator answered terms {terms} for partials {sorted(partials)}",
-                    terms=sorted(set(terms) ^ set(partials)),
-                )
-            return _finish(rnd, terms, [answer[t] for t in terms], _device(partials), partials)
+            names = list(partials)
+            values = dict(zip(names, floats_of([partials[t] for t in names]), strict=True))
+            device = _device(partials)
+
+            def answer(pending: SupportsResult) -> dict[str, Tensor]:
+                got = pending.result()
+                terms = sorted(got)
+                if terms != sorted(partials):
+                    raise rnd.error(
+                        LossReduceError,
+                        f"the coordinator answered terms {terms} for partials {sorted(partials)}",
+                        terms=sorted(set(terms) ^ set(partials)),
+                    )
+                return _finish(rnd, terms, [got[t] for t in terms], device, names)
+
+            return _PendingRound(client.reduce_start(step, values, contracts), answer, started)
         named = [*partials, *(t for t in contracts or {} if t not in partials)]
         local = _malformed(rnd, problems, named)
         poisoned = dict.fromkeys(named, math.nan)
-        try:
-            client.reduce(step, poisoned, {t: (contracts or {}).get(t, "") for t in named})
-        except LossReduceError as answer:
-            raise local from answer
-        raise local
+
+        def malformed(pending: SupportsResult) -> dict[str, Tensor]:
+            try:
+                pending.result()
+            except LossReduceError as answer:
+                raise local from answer
+            raise local
+
+        sent = client.reduce_start(step, poisoned, {t: (contracts or {}).get(t, "") for t in named})
+        return _PendingRound(sent, malformed, started)

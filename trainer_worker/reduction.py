@@ -46,6 +46,7 @@ __all__ = [
     "NormalizerFn",
     "ReductionKind",
     "check_local_consistency",
+    "floats_of",
     "local_partials",
     "scaled_loss",
 ]
@@ -182,6 +183,19 @@ class LocalPartials:
 
     per_microbatch: tuple[dict[str, Tensor], ...]
     partials: dict[str, Tensor]
+
+
+def floats_of(values: Sequence[Tensor]) -> list[float]:
+    """One-element tensors (any shape, any device) as doubles, with one
+    device-to-host copy for all of them: a GPU syncs once, not once per value."""
+    if not values:
+        return []
+    device = values[0].device
+    # [values] float64: exact for the float and integer dtypes a count comes in.
+    stacked = torch.stack(
+        [v.detach().reshape(()).to(device=device, dtype=torch.float64) for v in values]
+    )
+    return [float(v) for v in stacked.tolist()]
 
 
 def local_partials(reduction: LossReduction, microbatches: Sequence[Batch]) -> LocalPartials:

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lossreduce.server.cli", "run the reduction coordinator (gRPC + /metrics)"),
     "status": ("lossreduce.client.status_cli", "list live and recent rounds of a coordinator"),
+    "agent": (
+        "lossreduce.client.agent_cli",
+        "run a node agent: one aggregated contribution per node and round",
+    ),
     "train": ("lossreduce.trainer_worker.train.cli", "run GRPO-style training on Ray workers"),
     "bench": (
         "lossreduce.server.bench.cli",

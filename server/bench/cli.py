@@ -1,11 +1,12 @@
-"""``lossreduce bench``: the coordinator against gloo, TCPStore and a Ray actor.
+"""``lossreduce bench``: the coordinator against gloo, TCPStore, a Ray actor and grpc's floor.
 
 For each world size N, every contender runs R rounds in which N ranks each
 send four named partials and all receive the sums; contenders are interleaved
 round by round in one invocation. Reports p50/p99 round latency, rounds/s,
-server CPU per contribution and the coordinator's ratio to every contender,
-checks the README's Performance targets, and writes ``bench.json`` and ``bench.png`` to
-``--out``.
+server CPU per contribution, client CPU per rank and round, and the
+coordinator's ratio to every contender (the ``bare-echo`` reference among
+them: a servicer with no round logic), checks the README's Performance
+targets, and writes ``bench.json`` and ``bench.png`` to ``--out``.
 
     lossreduce bench --quick
     lossreduce bench --world-sizes 2,4,8,16,64,256 --rounds 200 --out bench-out
@@ -26,8 +27,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lossreduce.server.bench.contenders import Endpoints
-from lossreduce.server.bench.e2e import run_e2e
-from lossreduce.server.bench.hosts import CONTENDERS
+from lossreduce.server.bench.e2e import run_e2e, run_trl_e2e
+from lossreduce.server.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
 from lossreduce.server.bench.report import (
     format_table,
     ratios,
@@ -36,7 +37,12 @@ from lossreduce.server.bench.report import (
     write_plot,
 )
 from lossreduce.server.bench.run import CpuReader, WorldRun, place, run_world, settle
-from lossreduce.server.bench.servers import CoordinatorProcess, process_cpu_ns, start_store
+from lossreduce.server.bench.servers import (
+    CoordinatorProcess,
+    EchoProcess,
+    process_cpu_ns,
+    start_store,
+)
 from lossreduce.server.bench.stats import ContenderResult
 from lossreduce.settings_cli import FlagError, SettingsParser, add_settings_flags, parse_settings
 
@@ -120,14 +126,15 @@ class BenchSettings(BaseModel):
     hierarchical_nodes: int = Field(
         default=512,
         ge=0,
-        description="After the other world sizes, the hierarchical contender alone at "
-        "N = nodes x --ranks-per-node simulated ranks (the README's Performance target: "
-        "512 x 8 = 4096); 0 skips it.",
+        description="After the other world sizes, the hierarchical contender and its echo "
+        "reference (hierarchical-echo) alone at N = nodes x --ranks-per-node simulated ranks "
+        "(the README's Performance target: 512 x 8 = 4096); 0 skips it.",
     )
     e2e: bool = Field(
         default=False,
         description="Also compare a `lossreduce train` step with --normalizer coordinator "
-        "against --normalizer torch (runs training in ABBA order).",
+        "against --normalizer torch (runs training in ABBA order), and a TRL GRPO step with "
+        "lossreduce's normalizers against TRL's own dapo (skipped without lossreduce[trl]).",
     )
     e2e_steps: int = Field(default=30, ge=2, description="Steps per end-to-end training run.")
     e2e_pairs: int = Field(
@@ -196,6 +203,8 @@ class _Ray:
         import ray
 
         ray.init(
+            # Its own cluster, never one another job started on this machine.
+            address="local",
             num_cpus=os.cpu_count() or 1,
             include_dashboard=False,
             log_to_driver=False,
@@ -221,13 +230,15 @@ def _worlds(settings: BenchSettings) -> list[tuple[int, tuple[str, ...]]]:
     """Every (N, contenders) to measure: the world sizes, then the hierarchical scale run."""
     worlds = [(n, settings.contenders) for n in settings.world_sizes]
     big = settings.hierarchical_nodes * settings.ranks_per_node
-    if (
-        big
-        and "coordinator-hierarchical" in settings.contenders
-        and big not in settings.world_sizes
-    ):
-        worlds.append((big, ("coordinator-hierarchical",)))
+    scale = tuple(c for c in settings.contenders if c in HIERARCHICAL)
+    if big and scale and big not in settings.world_sizes:
+        worlds.append((big, scale))
     return worlds
+
+
+def _grpc(contender: str) -> bool:
+    """Whether ``contender`` talks to a gRPC server of ours (the coordinator or the echo)."""
+    return contender not in ("gloo", "tcpstore", "ray-actor")
 
 
 class _Servers:
@@ -235,22 +246,24 @@ class _Servers:
 
     def __init__(self, contenders: Sequence[str]) -> None:
         self.coordinator = (
-            CoordinatorProcess() if any(c.startswith("coordinator") for c in contenders) else None
+            CoordinatorProcess() if any(c not in ECHO and _grpc(c) for c in contenders) else None
         )
+        self.echo = EchoProcess() if any(c in ECHO for c in contenders) else None
         self.store = start_store()
         self.ray = _Ray() if "ray-actor" in contenders else None
 
     def endpoints(self, n: int, ranks_per_node: int) -> tuple[Endpoints, dict[str, CpuReader]]:
         readers: dict[str, CpuReader] = {}
-        if self.coordinator is not None:
-            for name in CONTENDERS:
-                if name.startswith("coordinator"):
-                    readers[name] = self.coordinator.cpu_ns
+        for name in CONTENDERS:
+            server = self.echo if name in ECHO else self.coordinator
+            if server is not None and _grpc(name):
+                readers[name] = server.cpu_ns
         actor_name = f"bench-n{n}"
         if self.ray is not None:
             readers["ray-actor"] = functools.partial(process_cpu_ns, self.ray.actor(actor_name))
         endpoints = Endpoints(
             coordinator=self.coordinator.target if self.coordinator else "",
+            echo=self.echo.target if self.echo else "",
             store_host="127.0.0.1",
             store_port=self.store.port,
             ray_address=self.ray.address if self.ray else "",
@@ -265,6 +278,8 @@ class _Servers:
             self.ray.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
+        if self.echo is not None:
+            self.echo.stop()
 
 
 def run_bench(settings: BenchSettings) -> dict[str, object]:
@@ -315,6 +330,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     finally:
         servers.stop()
     e2e = None
+    e2e_trl = None
     if settings.e2e:
         # After the servers stopped: training starts its own Ray cluster and coordinator.
         print("end to end: lossreduce train, --normalizer torch vs coordinator", flush=True)
@@ -326,13 +342,11 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             skip=settings.e2e_skip_steps,
             timeout_s=settings.startup_timeout_s + 60.0 * settings.e2e_steps,
         )
-    big = settings.hierarchical_nodes * settings.ranks_per_node
-    hierarchical = [
-        r for r in results if r.contender == "coordinator-hierarchical" and r.world_size == big
-    ]
+        print("end to end: a TRL GRPO step, lossreduce normalizers vs TRL's dapo", flush=True)
+        e2e_trl = run_trl_e2e()
     checks = targets(
         results,
-        hierarchical_p50_ms=hierarchical[0].p50_ms if hierarchical else None,
+        hierarchical_world_size=settings.hierarchical_nodes * settings.ranks_per_node,
         e2e_ratio=e2e.ratio if e2e is not None else None,
     )
     payload: dict[str, object] = {
@@ -343,6 +357,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "ratios": ratios(results),
         "targets": checks,
         "e2e": e2e,
+        "e2e_trl": e2e_trl,
         "notes": [
             "latency: from the first rank issuing its contribution to the last rank holding "
             "the sums (perf_counter_ns across processes); rounds/s = 1 / mean latency",
@@ -354,10 +369,19 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             f"runs one process per rank (up to N={settings.gloo_max_processes}); the Ray "
             f"contender's ranks share at most {settings.ray_processes} Ray driver processes",
             f"coordinator-hierarchical: nodes of {settings.ranks_per_node} ranks, each node's ranks "
-            "asyncio tasks next to their node aggregator, nodes spread over "
+            "unchanged clients of their node's agent (lossreduce agent), nodes spread over "
             f"{settings.load_processes} load processes; one upstream stream per node; its server "
             "CPU is per rank (the coordinator itself receives one contribution per node)",
             "the coordinator runs as shipped: `lossreduce serve` with its journal and metrics on",
+            "coordinator-stream and coordinator-unary run the shipped client: ReductionClient "
+            "(blocking) where a rank has its own process, AsyncReductionClient where ranks are "
+            "simulated as tasks; bare-stream is a raw grpc.aio stub's ReduceStream against the "
+            "coordinator (the floor of any client); bare-echo and hierarchical-echo drive the "
+            "echo server (answers each message at once, no round logic) with the bare-stream "
+            "and hierarchical loads: grpc.aio's own floor on this machine",
+            "client CPU: CPU time of the load processes (every thread) over the measured rounds "
+            "/ (rounds x ranks); in rank processes it includes the idle background threads of "
+            "the other contenders' connections",
         ],
     }
     settings.out.mkdir(parents=True, exist_ok=True)

@@ -14,27 +14,33 @@ are simulated as concurrent asyncio tasks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import struct
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator
+from lossreduce.client import AsyncReductionClient, ClientSettings, ReductionClient
+from lossreduce.client.agent import AgentSettings, NodeAgent
 from lossreduce.contribution import Contribution
+from lossreduce.errors import LossReduceError
 from lossreduce.server.bench.workload import CONTRACT, TERMS, partials_for
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = [
     "CALL_TIMEOUT_S",
+    "BareEchoRanks",
+    "BareStreamRanks",
     "CoordinatorStreamRanks",
     "CoordinatorUnaryRanks",
     "Endpoints",
     "GlooRank",
+    "HierarchicalEchoRanks",
     "HierarchicalRanks",
     "RankSide",
     "RoundFailedError",
@@ -67,6 +73,8 @@ class Endpoints:
     """Name of the Ray-actor coordinator for this world size."""
     job: str
     """Job name of this world size's rounds on the coordinator."""
+    echo: str = ""
+    """gRPC target of the echo server (the bare-echo references); empty: none."""
     ranks_per_node: int = 8
     """Hierarchical contender: ranks per node, i.e. per node-local aggregator."""
 
@@ -76,14 +84,17 @@ class RankSide(Protocol):
 
     exact: bool
     """Whether the sums are correctly rounded (bit-identical to ``math.fsum``)."""
+    checked: bool
+    """Whether the sums are checked at all (not for the echo references)."""
 
-    async def run_round(self, step: int) -> list[Sequence[float]]:
+    def run_round(self, step: int) -> Awaitable[list[Sequence[float]]] | list[Sequence[float]]:
         """Contribute every local rank's partials for ``step``; return the sums
-        each local rank received, in the order of the ranks."""
+        each local rank received, in the order of the ranks. Blocking sides
+        return them, the others an awaitable run on the load process's loop."""
         ...
 
-    async def close(self) -> None:
-        """Release connections."""
+    def close(self) -> Awaitable[None] | None:
+        """Release connections (blocking, or an awaitable)."""
         ...
 
 
@@ -103,36 +114,132 @@ def _sums(response: pb.ReduceResponse, group: str, rank: int, step: int) -> list
     return [normalizer.value for normalizer in response.normalizers]
 
 
-class _CoordinatorRanks:
-    """Shared set-up of the two coordinator contenders: one channel per rank."""
+def _partials(rank: int, step: int) -> dict[str, float]:
+    return dict(zip(TERMS, partials_for(rank, step), strict=True))
+
+
+async def _reduce_all(
+    group: str, clients: Sequence[AsyncReductionClient], step: int, contracts: dict[str, str]
+) -> list[Sequence[float]]:
+    """Every client's ``reduce`` of ``step`` at once; the sums each received, in order."""
+    calls = [client.reduce(step, _partials(client.rank, step), contracts) for client in clients]
+    received: list[Sequence[float]] = []
+    for result in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise RoundFailedError(f"coordinator {group}: {result}") from result
+        received.append([result[t] for t in TERMS])
+    return received
+
+
+class _ShippedClientRanks:
+    """The coordinator as a trainer worker reaches it: each rank runs the shipped
+    client. A rank alone in its process uses the blocking
+    :class:`~lossreduce.client.ReductionClient`, called from the load process's
+    own thread as a training loop calls it; ranks simulated as tasks each use an
+    :class:`~lossreduce.client.AsyncReductionClient` on the process's loop."""
 
     exact = True
+    checked = True
     group = ""
+    use_stream = True
 
     def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
-        self._job = endpoints.job
         self._ranks = tuple(ranks)
-        self._world_size = world_size
-        self._channels = [grpc.aio.insecure_channel(endpoints.coordinator) for _ in self._ranks]
-        self._stubs = [pb_grpc.ReductionCoordinatorStub(channel) for channel in self._channels]
+        self._contracts = dict.fromkeys(TERMS, CONTRACT)
+        settings = ClientSettings(
+            call_timeout_s=CALL_TIMEOUT_S, token=None, use_stream=self.use_stream
+        )
+        self._blocking: ReductionClient | None = None
+        self._clients: list[AsyncReductionClient] = []
+        if len(self._ranks) == 1:
+            self._blocking = ReductionClient(
+                endpoints.coordinator,
+                job=endpoints.job,
+                group=self.group,
+                rank=self._ranks[0],
+                world_size=world_size,
+                settings=settings,
+            )
+        else:
+            self._clients = [
+                AsyncReductionClient(
+                    endpoints.coordinator,
+                    job=endpoints.job,
+                    group=self.group,
+                    rank=rank,
+                    world_size=world_size,
+                    settings=settings,
+                )
+                for rank in self._ranks
+            ]
 
-    def _requests(self, step: int) -> list[pb.ReduceRequest]:
-        return [
-            _request(self._job, self.group, step, rank, self._world_size) for rank in self._ranks
-        ]
+    def run_round(self, step: int) -> Awaitable[list[Sequence[float]]] | list[Sequence[float]]:
+        if self._blocking is None:
+            return self._run_tasks(step)
+        rank = self._ranks[0]
+        try:
+            sums = self._blocking.reduce(step, _partials(rank, step), self._contracts)
+        except LossReduceError as err:
+            raise RoundFailedError(f"coordinator {self.group}: rank {rank}: {err}") from err
+        return [[sums[t] for t in TERMS]]
 
-    async def close(self) -> None:
-        await asyncio.gather(*(channel.close() for channel in self._channels))
+    async def _run_tasks(self, step: int) -> list[Sequence[float]]:
+        return await _reduce_all(self.group, self._clients, step, self._contracts)
+
+    def close(self) -> Awaitable[None] | None:
+        if self._blocking is not None:
+            self._blocking.close()
+            return None
+        return self._close_tasks()
+
+    async def _close_tasks(self) -> None:
+        for client in self._clients:
+            await client.close()
 
 
-class CoordinatorStreamRanks(_CoordinatorRanks):
-    """Contender 1: each rank keeps one ``ReduceStream`` open for the whole run."""
+class CoordinatorStreamRanks(_ShippedClientRanks):
+    """Contender 1: the shipped client over its ``ReduceStream`` (the default)."""
 
     group = "stream"
 
+
+class CoordinatorUnaryRanks(_ShippedClientRanks):
+    """Contender 2: the shipped client with ``use_stream=False``: one unary
+    ``Reduce`` call per round."""
+
+    group = "unary"
+    use_stream = False
+
+
+class BareStreamRanks:
+    """The floor: each rank keeps one ``ReduceStream`` of a raw grpc.aio stub
+    open for the whole run and writes and reads protos itself, with none of the
+    shipped client's deadlines, retries or checks (every rank is a task, even
+    alone in its process)."""
+
+    exact = True
+    checked = True
+    group = "bare-stream"
+
     def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
-        super().__init__(endpoints, ranks, world_size)
-        self._calls = [stub.ReduceStream() for stub in self._stubs]
+        self._job = endpoints.job
+        self._target = self._server(endpoints)
+        self._ranks = tuple(ranks)
+        self._world_size = world_size
+        self._channels: list[grpc.aio.Channel] = []
+        self._calls: list[grpc.aio.StreamStreamCall] = []
+
+    @staticmethod
+    def _server(endpoints: Endpoints) -> str:
+        return endpoints.coordinator
+
+    def _open(self) -> None:
+        """Channels and streams, on the first round: the load process's event loop
+        runs only from then on."""
+        self._channels = [grpc.aio.insecure_channel(self._target) for _ in self._ranks]
+        self._calls = [
+            pb_grpc.ReductionCoordinatorStub(channel).ReduceStream() for channel in self._channels
+        ]
 
     async def _one(self, call: grpc.aio.StreamStreamCall, request: pb.ReduceRequest) -> list[float]:
         await call.write(request)
@@ -140,7 +247,11 @@ class CoordinatorStreamRanks(_CoordinatorRanks):
         return _sums(response, self.group, request.rank, request.round.step)
 
     async def run_round(self, step: int) -> list[Sequence[float]]:
-        requests = self._requests(step)
+        if not self._calls:
+            self._open()
+        requests = [
+            _request(self._job, self.group, step, rank, self._world_size) for rank in self._ranks
+        ]
         return list(
             await asyncio.gather(
                 *(self._one(call, req) for call, req in zip(self._calls, requests, strict=True))
@@ -150,89 +261,108 @@ class CoordinatorStreamRanks(_CoordinatorRanks):
     async def close(self) -> None:
         for call in self._calls:
             await call.done_writing()
-        await super().close()
+        await asyncio.gather(*(channel.close() for channel in self._channels))
 
 
-class CoordinatorUnaryRanks(_CoordinatorRanks):
-    """Contender 2: each rank makes one unary ``Reduce`` call per round."""
+class BareEchoRanks(BareStreamRanks):
+    """The reference: :class:`BareStreamRanks` against the echo server
+    (:mod:`lossreduce.server.bench.echo`), which answers each message at once
+    with the rank's own partials, so the sums are not checked."""
 
-    group = "unary"
+    checked = False
+    group = "bare-echo"
 
-    async def _one(
-        self, stub: pb_grpc.ReductionCoordinatorStub, request: pb.ReduceRequest
-    ) -> list[float]:
-        response = await stub.Reduce(request, timeout=CALL_TIMEOUT_S)
-        return _sums(response, self.group, request.rank, request.round.step)
-
-    async def run_round(self, step: int) -> list[Sequence[float]]:
-        requests = self._requests(step)
-        return list(
-            await asyncio.gather(
-                *(self._one(stub, req) for stub, req in zip(self._stubs, requests, strict=True))
-            )
-        )
+    @staticmethod
+    def _server(endpoints: Endpoints) -> str:
+        return endpoints.echo
 
 
 class HierarchicalRanks:
-    """Contender 6: the coordinator behind node-local aggregators. Consecutive
-    blocks of ``ranks_per_node`` ranks form a node; each node's aggregator
-    pre-sums its ranks' partials (exactly) and sends one contribution over its
-    own stream. The node's ranks are asyncio tasks next to their aggregator, so
-    the rank-to-aggregator hop costs less here than over a node's local IPC. Each
-    node hands its ranks' contributions to its aggregator in one call: on a real
-    cluster that node-local work runs on the node's own CPUs, in parallel, so the
-    bench keeps it off the 2 cores it shares with the coordinator."""
+    """Contender 6: the coordinator behind node agents, the shipped component
+    (:class:`~lossreduce.client.agent.NodeAgent`). Consecutive blocks of
+    ``ranks_per_node`` ranks form a node; each node's agent pre-sums its ranks'
+    partials (exactly) and sends one contribution per round over its own stream.
+    Each rank is an unchanged :class:`~lossreduce.client.AsyncReductionClient`
+    pointed at its node's agent over loopback, as on a real node; here the
+    agents and their ranks share the load process's event loop, where a real
+    node runs them on its own CPUs, in parallel."""
 
     exact = True
+    checked = True
+    group = "hierarchical"
 
     def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
-
         per_node = endpoints.ranks_per_node
         if len(ranks) % per_node or ranks[0] % per_node:
             raise ValueError(f"ranks {ranks[0]}..{ranks[-1]} are not whole nodes of {per_node}")
         self._ranks = tuple(ranks)
         self._world_size = world_size
-        node_settings = AggregatorSettings(node_timeout_s=CALL_TIMEOUT_S)
-        self._nodes = [
-            NodeAggregator(
+        nodes = [self._ranks[i : i + per_node] for i in range(0, len(self._ranks), per_node)]
+        self._agents = [
+            NodeAgent(
                 endpoints.coordinator,
                 job=endpoints.job,
-                group="hierarchical",
-                local_ranks=self._ranks[i * per_node : (i + 1) * per_node],
+                group=self.group,
                 world_size=world_size,
-                settings=node_settings,
+                settings=AgentSettings(
+                    local_ranks=node,
+                    node_timeout_s=CALL_TIMEOUT_S,
+                    call_timeout_s=CALL_TIMEOUT_S,
+                    token=None,
+                ),
             )
-            for i in range(len(self._ranks) // per_node)
+            for node in nodes
         ]
-        self._node_ranks = [
-            self._ranks[i * per_node : (i + 1) * per_node] for i in range(len(self._nodes))
+        self._nodes = nodes
+        self._clients: list[AsyncReductionClient] = []
+        self._contracts = dict.fromkeys(TERMS, CONTRACT)
+
+    async def _start(self) -> None:
+        """Start the agents and connect their ranks (on the first round: the load
+        process's event loop runs only from then on)."""
+        for agent in self._agents:
+            await agent.start()
+        settings = ClientSettings(call_timeout_s=CALL_TIMEOUT_S, token=None)
+        self._clients = [
+            AsyncReductionClient(
+                agent.target,
+                job=agent.job or "",
+                group=self.group,
+                rank=rank,
+                world_size=self._world_size,
+                settings=settings,
+            )
+            for agent, node in zip(self._agents, self._nodes, strict=True)
+            for rank in node
         ]
-        self._contracts = (CONTRACT,) * len(TERMS)
+        for client in self._clients:
+            await client.open()
 
     async def run_round(self, step: int) -> list[Sequence[float]]:
-        per_node = [
-            node.reduce_node(
-                step,
-                [
-                    Contribution(
-                        rank, self._world_size, TERMS, partials_for(rank, step), self._contracts
-                    )
-                    for rank in node_ranks
-                ],
-            )
-            for node, node_ranks in zip(self._nodes, self._node_ranks, strict=True)
-        ]
-        received: list[Sequence[float]] = []
-        for results in await asyncio.gather(*per_node):
-            for result in results:
-                if isinstance(result, Exception):
-                    raise RoundFailedError(f"coordinator hierarchical: {result}")
-                received.append([result[t] for t in TERMS])
-        return received
+        if not self._clients:
+            await self._start()
+        return await _reduce_all(self.group, self._clients, step, self._contracts)
 
     async def close(self) -> None:
-        for node in self._nodes:
-            await node.close()
+        for client in self._clients:
+            await client.close()
+        for agent in self._agents:
+            await agent.stop(0.0)
+
+
+class HierarchicalEchoRanks(HierarchicalRanks):
+    """The reference of the hierarchical contender: the same node agents and
+    ranks with the echo server upstream in place of the coordinator, so each
+    node's contribution is answered at once (with the node's own sums, not
+    checked)."""
+
+    checked = False
+    group = "hierarchical-echo"
+
+    def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
+        super().__init__(
+            dataclasses.replace(endpoints, coordinator=endpoints.echo), ranks, world_size
+        )
 
 
 def _store_client(endpoints: Endpoints, prefix: str) -> PrefixStore:
@@ -258,6 +388,7 @@ class TCPStoreRanks:
     """
 
     exact = True
+    checked = True
 
     def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
         self._ranks = tuple(ranks)
@@ -288,6 +419,7 @@ class GlooRank:
     checked to a relative 1e-9 rather than bit for bit."""
 
     exact = False
+    checked = True
 
     def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
         import torch.distributed as dist

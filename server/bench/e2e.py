@@ -16,9 +16,21 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["E2EError", "E2EResult", "abba", "run_e2e", "step_seconds"]
+__all__ = [
+    "TRL_TARGET_RATIO",
+    "E2EError",
+    "E2EResult",
+    "abba",
+    "run_e2e",
+    "run_trl_e2e",
+    "step_seconds",
+]
 
 NORMALIZERS = ("torch", "coordinator")
+
+TRL_TARGET_RATIO = 1.03
+"""A TRL GRPO step with lossreduce's normalizers may take at most 3% longer than
+the same step with TRL's own ``dapo`` normalization."""
 
 
 class E2EError(RuntimeError):
@@ -103,3 +115,30 @@ def run_e2e(
         runs=len(order),
         ratio=medians["coordinator"] / medians["torch"],
     )
+
+
+def run_trl_e2e() -> dict[str, float | int | bool] | None:
+    """A TRL GRPO optimizer step with lossreduce's normalizers vs TRL's own ``dapo``
+    (median over steps, ABBA order, one process): the ratio and whether it meets
+    :data:`TRL_TARGET_RATIO`; None, said in one line, when TRL is not installed."""
+    try:
+        from lossreduce.trainer_worker.integrations.trl_bench import run_trl_bench
+    except ImportError as err:
+        print(f"  TRL step: skipped ({err})", flush=True)
+        return None
+    result = run_trl_bench()
+    print(
+        f"  TRL step: lossreduce {result.lossreduce_step_s * 1e3:.1f} ms vs dapo "
+        f"{result.dapo_step_s * 1e3:.1f} ms (median of {result.lossreduce_steps} / "
+        f"{result.dapo_steps} steps, ABBA): ratio {result.ratio:.3f}, target <= "
+        f"{TRL_TARGET_RATIO} {'met' if result.ratio <= TRL_TARGET_RATIO else 'NOT met'}",
+        flush=True,
+    )
+    return {
+        "lossreduce_step_s": result.lossreduce_step_s,
+        "dapo_step_s": result.dapo_step_s,
+        "lossreduce_steps": result.lossreduce_steps,
+        "dapo_steps": result.dapo_steps,
+        "ratio": result.ratio,
+        "met": result.ratio <= TRL_TARGET_RATIO,
+    }

@@ -5,8 +5,8 @@ slice of the ranks for *every* contender, so contenders can be interleaved
 round by round on the same processes. The driver sends ``("round", contender,
 step)`` over a pipe; the process runs its ranks' contributions, stamps the
 start and end with ``time.perf_counter_ns`` (CLOCK_MONOTONIC, comparable
-across processes), checks the sums outside the stamped window, and answers
-``("ok", start_ns, end_ns)``.
+across processes) and the process's CPU time around them, checks the sums
+outside the stamped window, and answers ``("ok", start_ns, end_ns, cpu_ns)``.
 
 Load processes come from a ``forkserver`` that has already imported torch and
 grpc, so starting 64 of them costs a fork each rather than an interpreter and
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import multiprocessing
 import multiprocessing.connection
 import time
@@ -28,10 +29,13 @@ from multiprocessing.process import BaseProcess
 
 from lossreduce.server.bench.contenders import (
     CALL_TIMEOUT_S,
+    BareEchoRanks,
+    BareStreamRanks,
     CoordinatorStreamRanks,
     CoordinatorUnaryRanks,
     Endpoints,
     GlooRank,
+    HierarchicalEchoRanks,
     HierarchicalRanks,
     RankSide,
     TCPStoreRanks,
@@ -40,6 +44,8 @@ from lossreduce.server.bench.workload import check_sums, expected_sums
 
 __all__ = [
     "CONTENDERS",
+    "ECHO",
+    "HIERARCHICAL",
     "BenchHostError",
     "HostPlan",
     "HostPool",
@@ -61,11 +67,20 @@ CONTENDERS: dict[str, RankSideFactory] = {
     "coordinator-stream": CoordinatorStreamRanks,
     "coordinator-unary": CoordinatorUnaryRanks,
     "coordinator-hierarchical": HierarchicalRanks,
+    "bare-stream": BareStreamRanks,
+    "bare-echo": BareEchoRanks,
+    "hierarchical-echo": HierarchicalEchoRanks,
     "gloo": GlooRank,
     "tcpstore": TCPStoreRanks,
     "ray-actor": _ray_ranks,
 }
 """Every contender by name, in report order."""
+
+HIERARCHICAL: frozenset[str] = frozenset({"coordinator-hierarchical", "hierarchical-echo"})
+"""Contenders whose ranks come in whole nodes behind node agents."""
+
+ECHO: frozenset[str] = frozenset({"bare-echo", "hierarchical-echo"})
+"""The references served by the echo server instead of the coordinator."""
 
 _PRELOAD = ["torch", "torch.distributed", "grpc", "lossreduce.server.bench.hosts"]
 
@@ -116,7 +131,7 @@ async def _recv(conn: Connection) -> object:
     return conn.recv()
 
 
-async def _serve(plan: HostPlan, conn: Connection) -> None:
+def _serve(plan: HostPlan, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
     sides: dict[str, RankSide] = {}
     try:
         for name, ranks in plan.ranks.items():
@@ -124,7 +139,10 @@ async def _serve(plan: HostPlan, conn: Connection) -> None:
                 sides[name] = CONTENDERS[name](plan.endpoints, ranks, plan.world_size)
         conn.send(("ready",))
         while True:
-            message = await _recv(conn)
+            # The loop runs while the process waits, so the async sides' connections
+            # are served between rounds; a blocking side is called with no loop
+            # running in this thread, as a training loop calls the blocking client.
+            message = loop.run_until_complete(_recv(conn))
             assert isinstance(message, tuple)
             if message[0] == "close":
                 break
@@ -133,22 +151,35 @@ async def _serve(plan: HostPlan, conn: Connection) -> None:
             # Before the stamp: every load process does this at the same moment, so it
             # never competes for the CPU with another process's measured round.
             expected = expected_sums(plan.world_size, step)
+            cpu = time.process_time_ns()
             start = time.perf_counter_ns()
-            received = await side.run_round(step)
+            received = side.run_round(step)
+            if inspect.isawaitable(received):
+                received = loop.run_until_complete(received)
             end = time.perf_counter_ns()
-            for rank, sums in zip(plan.ranks[name], received, strict=True):
-                check_sums(name, rank, step, sums, expected, exact=side.exact)
-            conn.send(("ok", start, end))
+            cpu = time.process_time_ns() - cpu
+            if side.checked:
+                for rank, sums in zip(plan.ranks[name], received, strict=True):
+                    check_sums(name, rank, step, sums, expected, exact=side.exact)
+            conn.send(("ok", start, end, cpu))
     except Exception:
         conn.send(("error", traceback.format_exc()))
     finally:
         for side in sides.values():
-            await side.close()
+            closing = side.close()
+            if inspect.isawaitable(closing):
+                loop.run_until_complete(closing)
 
 
 def host_main(plan: HostPlan, conn: Connection) -> None:
     """Entry point of one load process."""
-    asyncio.run(_serve(plan, conn))
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        _serve(plan, conn, loop)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 class HostPool:
@@ -202,13 +233,14 @@ class HostPool:
     def hosts_of(self, contender: str) -> list[int]:
         return [p.index for p in self.plans if p.ranks.get(contender)]
 
-    def run_round(self, contender: str, step: int) -> list[tuple[int, int]]:
-        """Run one round of ``contender``; every taking part load process's stamps."""
+    def run_round(self, contender: str, step: int) -> list[tuple[int, int, int]]:
+        """Run one round of ``contender``; every taking part load process's
+        ``(start_ns, end_ns, cpu_ns)``: its stamps and the CPU its ranks spent."""
         hosts = self.hosts_of(contender)
         for host in hosts:
             self._conns[host].send(("round", contender, step))
         replies = self._collect(hosts, f"{contender} step {step}", CALL_TIMEOUT_S)
-        return [(int(r[1]), int(r[2])) for r in replies]  # type: ignore[call-overload]
+        return [(int(r[1]), int(r[2]), int(r[3])) for r in replies]  # type: ignore[call-overload]
 
     def close(self) -> None:
         for conn in self._conns:

@@ -64,6 +64,7 @@ class RayRanks:
     """The ranks of one load process calling the Ray-actor coordinator."""
 
     exact = True
+    checked = True
 
     def __init__(self, endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> None:
         import ray

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lossreduce.server.bench.contenders import Endpoints
-from lossreduce.server.bench.hosts import HostPlan, HostPool, split_ranks
+from lossreduce.server.bench.hosts import HIERARCHICAL, HostPlan, HostPool, split_ranks
 from lossreduce.server.bench.report import Skipped
 from lossreduce.server.bench.stats import ContenderResult, round_latency_ns, summarize
 
@@ -76,7 +76,7 @@ def place(
                 )
                 continue
             by[name] = split_ranks(world_size, world_size)
-        elif name == "coordinator-hierarchical":
+        elif name in HIERARCHICAL:
             if world_size % ranks_per_node:
                 skipped.append(
                     Skipped(
@@ -136,6 +136,7 @@ def run_world(run: WorldRun) -> list[ContenderResult]:
     pool = HostPool(plans)
     latencies: dict[str, list[int]] = {name: [] for name in contenders}
     cpu: dict[str, int] = dict.fromkeys(run.server_cpu, 0)
+    client_cpu: dict[str, int] = dict.fromkeys(contenders, 0)
     try:
         pool.wait_ready(run.startup_timeout_s)
         for index in range(run.warmup_rounds + run.rounds):
@@ -147,7 +148,8 @@ def run_world(run: WorldRun) -> list[ContenderResult]:
                 stamps = pool.run_round(name, step)
                 after = reader() if reader else 0
                 if index >= run.warmup_rounds:
-                    latencies[name].append(round_latency_ns(stamps))
+                    latencies[name].append(round_latency_ns([(a, b) for a, b, _ in stamps]))
+                    client_cpu[name] += sum(c for _, _, c in stamps)
                     if reader:
                         cpu[name] += after - before
     finally:
@@ -161,6 +163,7 @@ def run_world(run: WorldRun) -> list[ContenderResult]:
                 run.world_size,
                 latencies[name],
                 server_cpu_ns=cpu.get(name),
+                client_cpu_ns=client_cpu[name],
                 contributions_per_round=run.world_size,
                 rank_processes=processes,
                 simulated=processes < run.world_size,

@@ -1,5 +1,7 @@
 """The server side of each contender of ``lossreduce bench``, run by the driver.
 
+- the ``bare-echo`` reference (:mod:`lossreduce.server.bench.echo`), in its own
+  process too;
 - the coordinator: ``lossreduce serve`` in its own process, so its CPU time is
   its own and can be read from ``/proc`` (:func:`start_serve` launches it and
   waits for its health check; the reliability tests start theirs with it too);
@@ -29,6 +31,7 @@ __all__ = [
     "SERVE_COMMAND",
     "BenchServerError",
     "CoordinatorProcess",
+    "EchoProcess",
     "process_cpu_ns",
     "start_serve",
     "start_store",
@@ -89,8 +92,27 @@ def start_serve(
     is SERVING. Its output goes to ``log`` (a file, not a pipe: a chatty server must
     never block on a full pipe); ``log_text()`` reads it back for errors. A server
     that does not come up is killed and :class:`BenchServerError` raised."""
-    proc = subprocess.Popen(
+    return _start(
         [*SERVE_COMMAND, "--host", LOOPBACK, "--port", str(port), *args],
+        port,
+        log=log,
+        log_text=log_text,
+        cwd=cwd,
+        timeout_s=timeout_s,
+    )
+
+
+def _start(
+    command: Sequence[str],
+    port: int,
+    *,
+    log: IO[bytes],
+    log_text: Callable[[], str],
+    cwd: Path | None,
+    timeout_s: float,
+) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        list(command),
         cwd=cwd,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -134,31 +156,25 @@ def start_store(host: str = "127.0.0.1") -> TCPStore:
     )
 
 
-class CoordinatorProcess:
-    """``lossreduce serve`` as a child process on a free loopback port."""
+class _ServerProcess:
+    """A gRPC server as a child process on a free loopback port, its output in a
+    temporary file."""
 
-    def __init__(self, extra_args: Sequence[str] = (), startup_timeout_s: float = 60.0) -> None:
+    def __init__(self, startup_timeout_s: float) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="lossreduce-bench-")
         self.port = free_port()
         self.target = f"{LOOPBACK}:{self.port}"
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 -- lives as long as the server
-        # As shipped: metrics and the journal on (a throwaway journal file).
-        args = [
-            "--metrics-port",
-            "0",
-            "--journal",
-            str(Path(self._dir.name) / "journal.sqlite3"),
-            *extra_args,
-        ]
         try:
-            self._proc = start_serve(
-                self.port, args, log=self._log, log_text=self.log, timeout_s=startup_timeout_s
-            )
+            self._proc = self._launch(startup_timeout_s)
         except BenchServerError:
             self._log.close()
             self._dir.cleanup()
             raise
         self.pid = self._proc.pid
+
+    def _launch(self, timeout_s: float) -> subprocess.Popen[bytes]:
+        raise NotImplementedError
 
     def log(self) -> str:
         """What the server printed so far."""
@@ -178,3 +194,41 @@ class CoordinatorProcess:
                 self._proc.wait()
         self._log.close()
         self._dir.cleanup()
+
+
+class CoordinatorProcess(_ServerProcess):
+    """``lossreduce serve`` as a child process on a free loopback port."""
+
+    def __init__(self, extra_args: Sequence[str] = (), startup_timeout_s: float = 60.0) -> None:
+        self._extra_args = tuple(extra_args)
+        super().__init__(startup_timeout_s)
+
+    def _launch(self, timeout_s: float) -> subprocess.Popen[bytes]:
+        # As shipped: metrics and the journal on (a throwaway journal file).
+        args = [
+            "--metrics-port",
+            "0",
+            "--journal",
+            str(Path(self._dir.name) / "journal.sqlite3"),
+            *self._extra_args,
+        ]
+        return start_serve(self.port, args, log=self._log, log_text=self.log, timeout_s=timeout_s)
+
+
+class EchoProcess(_ServerProcess):
+    """The ``bare-echo`` reference server (:mod:`lossreduce.server.bench.echo`)."""
+
+    def __init__(self, startup_timeout_s: float = 60.0) -> None:
+        super().__init__(startup_timeout_s)
+
+    def _launch(self, timeout_s: float) -> subprocess.Popen[bytes]:
+        from lossreduce.server.bench.echo import ECHO_MODULE
+
+        return _start(
+            [sys.executable, "-m", ECHO_MODULE, "--port", str(self.port)],
+            self.port,
+            log=self._log,
+            log_text=self.log,
+            cwd=None,
+            timeout_s=timeout_s,
+        )

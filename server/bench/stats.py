@@ -58,6 +58,10 @@ class ContenderResult:
     server_cpu_us_per_contribution: float | None
     """Server process CPU time over the measured rounds / (rounds x contributions);
     None where the contender has no separately measurable server."""
+    client_cpu_us_per_rank: float | None
+    """CPU time of the load processes over the measured rounds / (rounds x ranks): what
+    one rank's side of one round costs (every thread of the rank processes, the
+    shipped client's own included)."""
     rank_processes: int
     """How many load processes hosted the ranks."""
     simulated: bool
@@ -73,6 +77,7 @@ def summarize(
     *,
     server_cpu_ns: int | None,
     contributions_per_round: int,
+    client_cpu_ns: int | None = None,
     rank_processes: int,
     simulated: bool,
     note: str = "",
@@ -85,6 +90,9 @@ def summarize(
     cpu_us: float | None = None
     if server_cpu_ns is not None:
         cpu_us = server_cpu_ns / 1e3 / (len(ordered) * contributions_per_round)
+    client_us: float | None = None
+    if client_cpu_ns is not None:
+        client_us = client_cpu_ns / 1e3 / (len(ordered) * world_size)
     return ContenderResult(
         contender=contender,
         world_size=world_size,
@@ -94,6 +102,7 @@ def summarize(
         mean_ms=mean_ns / 1e6,
         rounds_per_s=1e9 / mean_ns if mean_ns > 0 else math.inf,
         server_cpu_us_per_contribution=cpu_us,
+        client_cpu_us_per_rank=client_us,
         rank_processes=rank_processes,
         simulated=simulated,
         note=note,

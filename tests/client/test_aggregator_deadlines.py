@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from lossreduce.client import aggregator
+from lossreduce.client import upstream
 from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator
 from lossreduce.errors import CoordinatorUnavailableError, RoundTimeoutError
 from lossreduce.v2 import coordinator_pb2 as pb
@@ -129,7 +129,12 @@ def test_a_local_rank_that_never_comes_gets_every_rank_the_coordinators_timeout(
     results = run(lambda: two_nodes(coordinator.target, body))
     assert all(isinstance(r, RoundTimeoutError) for r in results), results
     assert [r.missing_ranks for r in results] == [(1,)] * 3
-    assert len({str(r) for r in results}) == 1, results
+    # The coordinator's one message, decoded as the client decodes it for each rank.
+    assert len({str(r).rsplit(" (reported to rank", 1)[0] for r in results}) == 1, results
+    assert [
+        str(r).endswith(f"(reported to rank {rank} of 4)")
+        for r, rank in zip(results, (0, 2, 3), strict=True)
+    ] == [True] * 3
     assert "job 'deadline' group 'actor' step 1" in str(results[0])
 
 
@@ -142,7 +147,6 @@ class ScriptedCall:
     def __init__(self) -> None:
         self.written: list[pb.ReduceRequest] = []
         self.answers: asyncio.Queue[pb.ReduceResponse | BaseException | None] = asyncio.Queue()
-        self.closed = False
         self.answered = 0
         self.delivered = 0
         """Items ``read`` has handed the node's reader."""
@@ -154,7 +158,10 @@ class ScriptedCall:
             self.changed.notify_all()
 
     async def done_writing(self) -> None:
-        self.closed = True
+        pass
+
+    def cancel(self) -> bool:
+        return True
 
     async def read(self) -> Any:
         item = await self.answers.get()
@@ -191,43 +198,70 @@ class ScriptedCall:
 
 
 class ScriptedChannel:
-    """Just enough of a ``grpc.aio.Channel`` for the generated stub and the node."""
+    """Just enough of a ``grpc.aio.Channel`` for the generated stub and the node: each
+    ``ReduceStream`` call is a new :class:`ScriptedCall`."""
 
-    def __init__(self, call: ScriptedCall) -> None:
-        self.call = call
+    def __init__(self) -> None:
+        self.calls: list[ScriptedCall] = []
+        self.opened = asyncio.Event()
 
     def stream_stream(self, *args: object, **kwargs: object) -> Callable[..., ScriptedCall]:
-        return lambda *call_args, **call_kwargs: self.call
+        def open_call(*call_args: object, **call_kwargs: object) -> ScriptedCall:
+            self.calls.append(ScriptedCall())
+            self.opened.set()
+            return self.calls[-1]
 
-    def unary_unary(self, *args: object, **kwargs: object) -> object:
-        return None
+        return open_call
+
+    def unary_unary(self, *args: object, **kwargs: object) -> Callable[..., Awaitable[Any]]:
+        """A unary ``Reduce`` that finds the coordinator unavailable: the node backs off
+        and opens a new stream."""
+
+        async def unavailable(*call_args: object, **call_kwargs: object) -> Any:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down"
+            )
+
+        return unavailable
 
     async def close(self) -> None:
         pass
 
+    async def call(self, index: int) -> ScriptedCall:
+        """The ``index``-th stream the node opened, once it has."""
+        while len(self.calls) <= index:
+            self.opened.clear()
+            await self.opened.wait()
+        return self.calls[index]
 
-ScriptedNode = Callable[..., Awaitable[tuple[NodeAggregator, ScriptedCall]]]
+
+ScriptedNode = Callable[..., Awaitable[tuple[NodeAggregator, ScriptedChannel]]]
 
 
 @pytest.fixture
 def scripted_node(monkeypatch: pytest.MonkeyPatch) -> ScriptedNode:
     """Makes a node of ranks 0 and 1 (world 2) whose channel is a scripted one."""
 
-    async def make(timeout_s: float = 3600.0) -> tuple[NodeAggregator, ScriptedCall]:
-        call = ScriptedCall()
-        monkeypatch.setattr(
-            aggregator, "open_channel", lambda target, settings: ScriptedChannel(call)
-        )
+    async def make(
+        timeout_s: float = 3600.0, retry_budget_s: float = 60.0
+    ) -> tuple[NodeAggregator, ScriptedChannel]:
+        channel = ScriptedChannel()
+        monkeypatch.setattr(upstream, "open_channel", lambda target, settings: channel)
         node = NodeAggregator(
             "scripted",
             job="j",
             group="g",
             local_ranks=(0, 1),
             world_size=2,
-            settings=AggregatorSettings(node_timeout_s=timeout_s),
+            settings=AggregatorSettings(
+                node_timeout_s=timeout_s,
+                retry_budget_s=retry_budget_s,
+                initial_backoff_s=0.001,
+                max_backoff_s=0.01,
+            ),
         )
         await node.open()
-        return node, call
+        return node, channel
 
     return make
 
@@ -251,8 +285,9 @@ def test_a_late_old_step_in_flight_survives_newer_steps_completing(scripted_node
     come back in that order. Step 9's completion must not drop step 0."""
 
     async def main() -> list[Any]:
-        node, call = await scripted_node()
+        node, channel = await scripted_node()
         tasks = {step: both(node, step) for step in range(1, 10)}
+        call = await channel.call(0)
         await call.until(written=9)
         tasks[0] = both(node, 0)
         await call.until(written=10)
@@ -265,6 +300,7 @@ def test_a_late_old_step_in_flight_survives_newer_steps_completing(scripted_node
         call.answer_ok(1)
         results += await asyncio.gather(*tasks[10])
         await node.close()
+        assert len(channel.calls) == 1
         return results
 
     results = run(main)
@@ -276,10 +312,11 @@ def test_a_step_still_collecting_survives_newer_steps_completing(scripted_node):
     """Rank 0 of step 0 arrives, steps 1..9 complete, then rank 1 of step 0."""
 
     async def main() -> list[Any]:
-        node, call = await scripted_node()
+        node, channel = await scripted_node()
         early = reduce(node, 0, 0, 1.0)
         for step in range(1, 10):
             tasks = both(node, step)
+            call = await channel.call(0)
             await call.until(written=step)
             call.answer_ok(1)
             await asyncio.gather(*tasks)
@@ -294,64 +331,88 @@ def test_a_step_still_collecting_survives_newer_steps_completing(scripted_node):
     assert run(main) == [{"n": 2.0}] * 2
 
 
-@pytest.mark.parametrize(
-    "end",
-    [
-        pytest.param(None, id="eof"),
-        pytest.param(
-            grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
-            ),
-            id="rpc-error",
+STREAM_ENDS = [
+    pytest.param(None, id="eof"),
+    pytest.param(
+        grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
         ),
-    ],
-)
-def test_the_stream_ending_fails_every_waiting_step_at_once(end, scripted_node):
-    """The coordinator ends the stream with steps upstream and one collecting: each
-    waiting rank gets CoordinatorUnavailableError naming its step, without waiting
-    for the node's (hour-long) deadline; so does a rank of a later step."""
+        id="rpc-error",
+    ),
+    pytest.param(pb.ReduceResponse(), id="answer-to-no-request"),
+]
+
+
+@pytest.mark.parametrize("end", STREAM_ENDS)
+def test_a_broken_stream_is_reopened_and_unanswered_requests_are_resent(end, scripted_node):
+    """The stream ends with step 1 upstream and step 2 collecting: the node opens a
+    new stream, sends step 1's request again, unchanged, and every rank gets the
+    answer that comes back there; step 2 then goes up the new stream."""
 
     async def main() -> list[Any]:
-        node, call = await scripted_node(timeout_s=3600.0)
+        node, channel = await scripted_node()
         upstream = both(node, 1)
-        collecting = reduce(node, 0, 2, 1.0)
-        await call.until(written=1)
-        call.answers.put_nowait(end)
-        waiting = await asyncio.gather(upstream[0], upstream[1], collecting, return_exceptions=True)
-        after = await asyncio.gather(*both(node, 3), return_exceptions=True)
+        collecting = reduce(node, 0, 2, 3.0)
+        first = await channel.call(0)
+        await first.until(written=1)
+        first.answers.put_nowait(end)
+        second = await channel.call(1)
+        await second.until(written=1)
+        assert second.written == first.written
+        second.answer_ok(1)
+        results = list(await asyncio.gather(*upstream))
+        late = reduce(node, 1, 2, 3.0)
+        await second.until(written=2)
+        second.answer_ok(1)
+        results += await asyncio.gather(collecting, late)
         await node.close()
-        return [*waiting, *after]
+        return results
+
+    assert run(main) == [{"n": 4.0}] * 2 + [{"n": 6.0}] * 2
+
+
+@pytest.mark.parametrize("end", STREAM_ENDS)
+def test_a_broken_stream_past_the_retry_budget_fails_the_waiting_ranks(end, scripted_node):
+    """Without a retry budget, each waiting rank gets CoordinatorUnavailableError
+    naming its step and the coordinator, without waiting for the node's (hour-long)
+    deadline; a rank that retries makes the node send its request again."""
+
+    async def main() -> list[Any]:
+        node, channel = await scripted_node(retry_budget_s=0.0)
+        upstream = both(node, 1)
+        first = await channel.call(0)
+        await first.until(written=1)
+        first.answers.put_nowait(end)
+        failed = list(await asyncio.gather(*upstream, return_exceptions=True))
+        retried = both(node, 1)
+        second = await channel.call(1)
+        await second.until(written=1)
+        assert second.written == first.written
+        second.answer_ok(1)
+        failed += await asyncio.gather(*retried)
+        await node.close()
+        return failed
 
     results = run(main)
-    assert all(isinstance(r, CoordinatorUnavailableError) for r in results), results
-    assert [r.step for r in results] == [1, 1, 2, 3, 3]
-    assert "job 'j' group 'g' step 3" in str(results[-1])
-    assert "coordinator" in str(results[0])
+    assert all(isinstance(r, CoordinatorUnavailableError) for r in results[:2]), results
+    assert [r.step for r in results[:2]] == [1, 1]
+    assert "job 'j' group 'g' step 1" in str(results[0])
+    assert "the coordinator at scripted is unavailable" in str(results[0])
+    assert results[2:] == [{"n": 4.0}] * 2
 
 
 def test_close_fails_the_ranks_still_waiting(scripted_node):
     async def main() -> list[Any]:
-        node, call = await scripted_node(timeout_s=3600.0)
+        node, channel = await scripted_node(timeout_s=3600.0)
         upstream = both(node, 1)
+        collecting = reduce(node, 0, 2, 1.0)
+        call = await channel.call(0)
         await call.until(written=1)
         await node.close()
-        return await asyncio.gather(*upstream, return_exceptions=True)
+        after = reduce(node, 0, 3, 1.0)
+        return await asyncio.gather(*upstream, collecting, after, return_exceptions=True)
 
     results = run(main)
     assert all(isinstance(r, CoordinatorUnavailableError) for r in results), results
-    assert "closed" in str(results[0])
-
-
-def test_an_answer_to_no_request_ends_the_stream_instead_of_the_reader_dying(scripted_node):
-    async def main() -> list[Any]:
-        node, call = await scripted_node(timeout_s=3600.0)
-        call.answers.put_nowait(pb.ReduceResponse())
-        await call.until(delivered=1)
-        results = await asyncio.gather(*both(node, 1), return_exceptions=True)
-        await node.close()
-        return results
-
-    results = run(main)
-    assert all(isinstance(r, CoordinatorUnavailableError) for r in results), results
-    assert "answered a request this node never sent" in str(results[0])
-    assert "job 'j' group 'g' step 1" in str(results[0])
+    assert [r.step for r in results] == [1, 1, 2, 3]
+    assert all("closed" in str(r) for r in results)

@@ -83,14 +83,13 @@ def test_sync_states_and_use_after_close() -> None:
         client.open()
 
 
-def test_sync_client_stops_its_thread_on_close() -> None:
+def test_sync_client_runs_no_thread_and_closes_its_loop() -> None:
+    # The caller's own thread drives the client's loop: no thread to stop.
+    before = set(threading.enumerate())
     client = ReductionClient(UNUSED_TARGET, job="thread-test", group="g", rank=0, world_size=1)
-    (thread,) = [
-        t for t in threading.enumerate() if t.name == "lossreduce-client-thread-test-g-rank0"
-    ]
-    assert thread.is_alive()
+    assert set(threading.enumerate()) == before
     client.close()
-    assert not thread.is_alive()
+    assert client._driver.loop.is_closed()
 
 
 def test_closing_an_unopened_client_never_dials() -> None:

@@ -32,6 +32,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.metrics_core import Metric
 
+from lossreduce.client.agent_metrics import AgentMetrics
 from lossreduce.server import SERVICE_NAME, CoordinatorMetrics, CoordinatorSettings
 from lossreduce.server.cli import build_parser, settings_from_args
 from lossreduce.server.hardening import harden
@@ -150,9 +151,12 @@ def _secret_env(container: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def _exported_series() -> set[str]:
-    """The series names the coordinator exports, as PromQL selects them."""
+    """The series names the coordinator and the node agent export, as PromQL selects them."""
     suffix = {"counter": "_total", "histogram": "_bucket", "gauge": ""}
-    families: list[Metric] = list(CoordinatorMetrics().registry.collect())
+    families: list[Metric] = [
+        *CoordinatorMetrics().registry.collect(),
+        *AgentMetrics("upstream:1").registry.collect(),
+    ]
     return {family.name + suffix[family.type] for family in families}
 
 
@@ -594,6 +598,30 @@ def test_ray_cluster_shares_the_token_with_the_coordinator_and_every_raylet(
         _lossreduce_command(serve, "serve")[2:], _env_names(serve), tmp_path, monkeypatch
     )
     assert settings.host == "0.0.0.0"
+
+
+def test_ray_cluster_train_commands_use_real_flags_and_reach_the_head(
+    cluster_config: dict[str, Any],
+) -> None:
+    prefix = "#   ray exec deploy/ray/cluster.yaml "
+    lines = (DEPLOY / "ray/cluster.yaml").read_text().splitlines()
+    train = [
+        _flags(_lossreduce_command(shlex.split(line.removeprefix(prefix))[0], "train"))
+        for line in lines
+        if line.startswith(prefix) and "lossreduce train" in line
+    ]
+    assert len(train) == 2, train  # the run's own coordinator, and the head's
+    for flags in train:
+        assert set(flags) <= _help_flags("train"), flags
+    assert "--coordinator" not in train[0]
+    # Ranks and agents on every node dial it: the head's address, never loopback.
+    assert train[1]["--coordinator"] == f"{cluster_config['provider']['head_ip']}:{GRPC_PORT}"
+
+
+def test_rayjob_aggregates_per_pod(rayjob_docs: list[dict[str, Any]]) -> None:
+    rayjob = _one(rayjob_docs, "RayJob")
+    flags = _flags(_lossreduce_command(rayjob["spec"]["entrypoint"], "train"))
+    assert flags["--aggregation"] == "node"
 
 
 def test_image_serves_only_with_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,10 +1,11 @@
 """Live: the shipped Prometheus config against a real coordinator and real Ray.
 
-A coordinator runs rounds of every outcome driven by real clients; a local Ray
-cluster runs an actor recording trainer steps through
-``trainer_worker/metrics.py``; a real Prometheus, started with
+A coordinator runs rounds of every outcome driven by real clients; a node agent
+in front of it forwards rounds of its own ranks (one aggregated, one falling
+back to per-rank contributions); a local Ray cluster runs an actor recording
+trainer steps through ``trainer_worker/metrics.py``; a real Prometheus, started with
 ``deploy/prometheus/prometheus.yml`` rewritten only where it must be (scrape
-targets onto this test's loopback ports, a 1 s scrape interval), scrapes both
+targets onto this test's loopback ports, a 1 s scrape interval), scrapes all three
 and evaluates ``alerts.yml``. Then every expression of the Grafana dashboard and
 of the alert rules (without its threshold), read from the files themselves,
 must return data through Prometheus' HTTP API.
@@ -29,7 +30,8 @@ import pytest
 import ray
 import yaml
 
-from lossreduce.client import ReductionClient
+from lossreduce.client import ClientSettings, ReductionClient
+from lossreduce.client.agent import AgentSettings, NodeAgentThread
 from lossreduce.errors import (
     ContractMismatchError,
     EmptyNormalizerError,
@@ -42,6 +44,8 @@ from lossreduce.server import CoordinatorThread, OutcomeKind
 from lossreduce.trainer_worker.train.metrics import WorkerMetrics
 
 JOB, GROUP = "deploy-live", "actor"
+AGENT_GROUP = "agent"
+"""The group of the rounds that go through the node agent."""
 RATE_WINDOW = "5m"  # stands in for Grafana's $__rate_interval; long enough to outlast any wait
 WAIT_S = 90.0  # bound on every wait for Prometheus; normally a few seconds
 COMPARISONS = ("==", "!=", ">=", "<=", ">", "<")
@@ -173,7 +177,11 @@ def test_dashboard_queries_fill_in_every_variable() -> None:
 def test_rewrite_config_moves_only_the_targets(
     tmp_path: Path, prometheus_config: dict[str, Any]
 ) -> None:
-    targets = {"lossreduce-coordinator": "127.0.0.1:1", "ray": "127.0.0.1:2"}
+    targets = {
+        "lossreduce-coordinator": "127.0.0.1:1",
+        "ray": "127.0.0.1:2",
+        "lossreduce-agent": "127.0.0.1:3",
+    }
     rewritten = rewrite_config(prometheus_config, targets, tmp_path / "alerts.yml", tmp_path)
     for shipped, moved in zip(
         prometheus_config["scrape_configs"], rewritten["scrape_configs"], strict=True
@@ -331,6 +339,27 @@ def drive_every_outcome(target: str, base_step: int) -> None:
         assert any(isinstance(e, ContractMismatchError) for e in mismatch), mismatch
 
 
+def drive_agent(target: str, base_step: int) -> None:
+    """Through the node agent of ranks 0 and 1: one aggregated round, one where rank 0
+    sends NaN, so the agent falls back to per-rank contributions."""
+    settings = ClientSettings(token=None, retry_budget_s=1.0)
+    r0, r1 = (
+        ReductionClient(target, job=JOB, group=AGENT_GROUP, rank=r, world_size=2, settings=settings)
+        for r in (0, 1)
+    )
+    with r0, r1:
+        ok0, ok1 = _pair(
+            lambda: r0.reduce(base_step, {"pg": 3.0}), lambda: r1.reduce(base_step, {"pg": 5.0})
+        )
+        assert ok0 == ok1 == {"pg": 8.0}
+        bad, peer = _pair(
+            lambda: r0.reduce(base_step + 1, {"pg": math.nan}),
+            lambda: r1.reduce(base_step + 1, {"pg": 1.0}),
+        )
+        assert isinstance(bad, InvalidPartialError), bad
+        assert isinstance(peer, RoundAbortedError), peer
+
+
 def record_worker_steps(recorder: Any, reward: float) -> None:
     ray.get(
         recorder.record_step.remote(
@@ -359,11 +388,18 @@ def test_every_dashboard_and_alert_expression_returns_data(
 ) -> None:
     ray_metrics_port = free_port()
     coordinator = coordinator_factory(round_timeout_s=0.5)  # the timeout round is short
-    with ray_node(ray_metrics_port, monkeypatch):
+    agent_settings = AgentSettings(
+        local_ranks=(0, 1), metrics_port=0, token=None, retry_budget_s=1.0, shutdown_grace_s=0.2
+    )
+    with (
+        ray_node(ray_metrics_port, monkeypatch),
+        NodeAgentThread(coordinator.target, job=JOB, settings=agent_settings) as agent,
+    ):
         recorder = ray.remote(num_cpus=0)(WorkerMetrics).remote(JOB)
         targets = {
             "lossreduce-coordinator": f"127.0.0.1:{coordinator.metrics_port}",
             "ray": f"127.0.0.1:{ray_metrics_port}",
+            "lossreduce-agent": f"127.0.0.1:{agent.metrics_port}",
         }
         config = rewrite_config(
             prometheus_config, targets, deploy_dir / "prometheus" / "alerts.yml", tmp_path
@@ -379,6 +415,7 @@ def test_every_dashboard_and_alert_expression_returns_data(
             # Two waves with a scrape between them: counters and histograms
             # must exist before they grow, or rate() and increase() see nothing.
             drive_every_outcome(coordinator.target, base_step=0)
+            drive_agent(agent.target, base_step=0)
             record_worker_steps(recorder, reward=0.25)
             outcomes = {kind.value for kind in OutcomeKind} - {"aborted_shutdown"}
             prometheus.wait_for(
@@ -394,9 +431,15 @@ def test_every_dashboard_and_alert_expression_returns_data(
                             f'ray_lossreduce_worker_skipped_steps_total{{job="{JOB}"}}'
                         )
                     )
+                    and bool(
+                        prometheus.query(
+                            f'lossreduce_agent_fallbacks_total{{job="{JOB}", reason="invalid"}} > 0'
+                        )
+                    )
                 ),
             )
             drive_every_outcome(coordinator.target, base_step=100)
+            drive_agent(agent.target, base_step=100)
             record_worker_steps(recorder, reward=0.75)
 
             queries = dashboard_queries(dashboard) + alert_queries(alert_rules)

@@ -249,6 +249,21 @@ def test_a_scoped_stream_ends_at_the_first_foreign_request(
         assert _get_round(stub, ADMIN, job, step).state == pb.ROUND_STATE_UNKNOWN, (job, step)
 
 
+def test_undecodable_bytes_on_a_scoped_stream_are_an_invalid_argument(
+    secured: CoordinatorThread,
+) -> None:
+    good = _request("job-a", 42, 2.5).SerializeToString()
+    with grpc.insecure_channel(secured.target) as channel:
+        stream = channel.stream_stream("/lossreduce.v2.ReductionCoordinator/ReduceStream")
+        call = stream(iter([good, b"\xff\xff"]), metadata=bearer(SCOPED), timeout=5)
+        answered = []
+        with pytest.raises(grpc.RpcError) as info:
+            answered.extend(call)
+    assert len(answered) == 1  # the request before the garbage was answered
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "2-byte message is not a valid request" in str(info.value.details())
+
+
 def test_health_answers_without_a_token(secured: CoordinatorThread) -> None:
     with grpc.insecure_channel(secured.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)

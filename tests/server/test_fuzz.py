@@ -249,6 +249,18 @@ def test_undecodable_bytes_are_an_invalid_argument(channel: grpc.Channel) -> Non
     assert stream_info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_undecodable_bytes_to_the_other_methods_are_an_invalid_argument(
+    channel: grpc.Channel,
+) -> None:
+    for method in ("GetRound", "ListRounds"):
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(f"/lossreduce.v2.ReductionCoordinator/{method}")(
+                b"\xff\xff", timeout=5
+            )
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, method
+        assert f"{method}: a 2-byte message is not a valid request" in str(info.value.details())
+
+
 def test_an_oversized_message_names_the_size_limit(channel: grpc.Channel) -> None:
     request = pb.ReduceRequest(
         round=pb.RoundKey(job="big", group="actor", step=0),

@@ -673,3 +673,23 @@ def test_after_a_restart_aggregated_contributions_are_checked_like_single_ranks(
         err = answer(restarted.contribute(KEY, conflicting, 0.0), rank)
         assert isinstance(err, ConflictingContributionError), conflicting
         assert f"rank {rank} already contributed" in err.message
+
+
+def test_limits_hold_in_a_group_that_already_exists() -> None:
+    """Names are judged once per group and contracts once per distinct tuple; a later
+    contribution to the same group with a too-long contract is still refused."""
+    table = RoundTable(CoordinatorSettings(max_contract_length=16))
+    first = table.contribute(KEY, contribution(0, 2, tokens=1.0), 0.0)
+    assert first.error is None
+    long = contribution(1, 2, {"tokens": "x" * 17}, tokens=1.0)
+    refused = table.contribute(KEY, long, 0.0)
+    assert isinstance(refused.error, InvalidPartialError)
+    assert refused.error.limit == "max_contract_length"
+    assert refused.error.rank == 1
+    # The sender alone is refused: the round still completes with rank 1's valid send.
+    done = table.contribute(KEY, contribution(1, 2, tokens=2.0), 0.0)
+    assert isinstance(answer(done, 1), Outcome)
+    next_step = RoundKey(KEY.job, KEY.group, KEY.step + 1)
+    again = table.contribute(next_step, contribution(0, 2, {"tokens": "y" * 17}, tokens=1.0), 0.0)
+    assert isinstance(again.error, InvalidPartialError)
+    assert again.error.limit == "max_contract_length"

@@ -424,6 +424,20 @@ def test_a_rank_whose_call_expired_keeps_its_place_and_its_retry_is_deduplicated
     assert 'lossreduce_retries_deduplicated_total{group="actor",job="job-t"} 1.0' in text
 
 
+def test_a_stream_that_expired_while_its_round_waited_breaks_nothing(ranks: Ranks) -> None:
+    send0 = Send(rank=0, world_size=2, partials={"tokens": 1.5}, job="expired-stream")
+    with pytest.raises(grpc.RpcError) as expired:
+        list(ranks.stub.ReduceStream(iter([send0.request()]), timeout=0.2))
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert list(_wait_until_arrived(ranks, send0, 1).arrived_ranks) == [0]
+    # The stream's parked wait was cancelled with it; the round still ends for everyone.
+    retry, last = ranks.round(
+        [send0, Send(rank=1, world_size=2, partials={"tokens": 2.0}, job="expired-stream")],
+        "stream",
+    )
+    assert retry.normalizers == last.normalizers == {"tokens": (3.5, 0)}
+
+
 def test_a_port_in_use_fails_start_with_a_clear_error(coordinator: CoordinatorThread) -> None:
     taken = CoordinatorThread(
         CoordinatorSettings(host="127.0.0.1", port=coordinator.port, metrics_port=None)

@@ -71,9 +71,15 @@ def train(
     sync: bool = True,
     on_empty_step: OnEmptyStep = "raise",
     start_step: int = 0,
+    overlap: bool = True,
 ) -> dict[str, Any]:
-    """One step; returns grads after sync, parameters after the step and stats."""
+    """One step; returns grads after sync, parameters after the step, stats and
+    how many parameter gradients a backward computed. A failed step returns its
+    error (see :func:`capture`) with that count and whether the parameters and
+    gradients are untouched."""
     model: nn.Module = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    backwards = BackwardCounter(model)
     world = dist.get_world_size() if ddp else 1
     grad_sync: Callable[[nn.Module], None] | None = None
     if ddp:
@@ -95,15 +101,47 @@ def train(
         grad_average_world_size=world,
         grad_sync=grad_sync,
         start_step=start_step,
+        overlap=overlap,
     )
-    stats = engine.train_batch_with_reduction(
-        build_batch(groups, packed=True), reduction or make_reduction(THREE_TERMS)
-    )
+    try:
+        stats = engine.train_batch_with_reduction(
+            build_batch(groups, packed=True), reduction or make_reduction(THREE_TERMS)
+        )
+    except LossReduceError as err:
+        untouched = all(
+            p.grad is None and torch.equal(p.detach(), old)
+            for p, old in zip(model.parameters(), before, strict=True)
+        )
+        return {**described(err), "backwards": backwards.count, "untouched": untouched}
     return {
         "grads": grads_of(model),
         "params": [p.detach().clone() for p in model.parameters()],
         "stats": stats.as_dict(),
         "skipped": stats.skipped,
+        "backwards": backwards.count,
+    }
+
+
+class BackwardCounter:
+    """Counts the parameter gradients backward computes (a hook per parameter)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.count = 0
+        for param in model.parameters():
+            param.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return grad
+
+
+def described(err: LossReduceError) -> dict[str, Any]:
+    return {
+        "error": type(err).__name__,
+        "message": str(err),
+        "rank": err.rank,
+        "ranks": err.ranks,
+        "terms": err.terms,
     }
 
 
@@ -111,13 +149,7 @@ def capture(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return fn()
     except LossReduceError as err:
-        return {
-            "error": type(err).__name__,
-            "message": str(err),
-            "rank": err.rank,
-            "ranks": err.ranks,
-            "terms": err.terms,
-        }
+        return described(err)
 
 
 def nan_on_rank(bad_rank: int) -> LossReduction:
@@ -167,6 +199,8 @@ def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, 
     out = {
         "torch_sum": capture(lambda: train(torch_backend, mine)),
         "torch_ddp": capture(lambda: train(torch_backend, mine, ddp=True)),
+        "torch_sum_serial": capture(lambda: train(torch_backend, mine, overlap=False)),
+        "torch_ddp_serial": capture(lambda: train(torch_backend, mine, ddp=True, overlap=False)),
         "torch_empty_raise": capture(lambda: train(torch_backend, empty(mine))),
         "torch_empty_skip": capture(
             lambda: train(torch_backend, empty(mine), on_empty_step="skip")
@@ -198,6 +232,9 @@ def scenarios(rank: int, world: int, target: str | None) -> dict[str, dict[str, 
                 lambda: train(coord, mine, reduction=mismatched_contract(rank), start_step=5)
             )
             out["coord_order"] = capture(lambda: term_order(coord, 6))
+            out["coord_sum_serial"] = capture(
+                lambda: train(coord, mine, start_step=7, overlap=False)
+            )
     return out
 
 

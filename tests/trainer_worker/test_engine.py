@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import math
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from lossreduce.errors import EmptyNormalizerError, ReductionConfigError, ReductionInputError
+from lossreduce.errors import (
+    ClientClosedError,
+    EmptyNormalizerError,
+    InvalidPartialError,
+    LossReduceError,
+    ReductionConfigError,
+    ReductionInputError,
+    RoundAbortedError,
+)
 from lossreduce.trainer_worker import (
     EvalResult,
+    GlobalNormalizer,
     InconsistentNormalizerError,
     LocalNormalizer,
     LossReduction,
+    LossTerm,
     MicrobatchSettings,
     MicrobatchSplitter,
+    NormalizerHandle,
     PolicyGradientReduction,
+    ReadyHandle,
     TorchTrainEngine,
     TrainEngine,
     combine_eval,
@@ -101,6 +118,14 @@ class FixedNormalizer:
 
     def __init__(self, totals: Mapping[str, float]) -> None:
         self.totals = totals
+
+    def start(
+        self,
+        step: int,
+        partials: Mapping[str, torch.Tensor],
+        contracts: Mapping[str, str] | None = None,
+    ) -> NormalizerHandle:
+        return ReadyHandle(lambda: self.reduce(step, partials, contracts))
 
     def reduce(
         self,
@@ -385,3 +410,272 @@ def test_readme_example_runs() -> None:
     assert blocks, "the README's engine section has no python example"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {"__name__": "readme_example"})
+
+
+# ------------------------------------------------------------------ overlap
+
+
+class Recorder:
+    """Counts forwards, and backwards through a gradient hook on every parameter."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.forwards = 0
+        self.backwards = 0
+        for param in model.parameters():
+            param.register_hook(self._on_grad)
+
+    def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        self.forwards += 1
+        return forward(model, batch)
+
+    def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        self.backwards += 1
+        return grad
+
+
+def trained_engine(
+    normalizer: GlobalNormalizer, **kw: Any
+) -> tuple[TorchTrainEngine, Recorder, dict[str, Any]]:
+    """An engine after one good step (so gradients and Adam state exist), a
+    recorder of what it runs next, and a snapshot to compare against."""
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    recorder = Recorder(model)
+    engine = TorchTrainEngine(
+        model,
+        optimizer,
+        LocalNormalizer(job="test"),
+        MicrobatchSplitter(MicrobatchSettings(n_microbatches=3)),
+        forward_fn=recorder.forward,
+        **kw,
+    )
+    engine.train_batch_with_reduction(build_batch(GROUPS, packed=True), make_reduction(THREE_TERMS))
+    engine.normalizer = normalizer
+    recorder.forwards = recorder.backwards = 0
+    return engine, recorder, snapshot(engine)
+
+
+def snapshot(engine: TorchTrainEngine) -> dict[str, Any]:
+    return {
+        "params": [p.detach().clone() for p in engine.model.parameters()],
+        "grads": grads_of(engine.model),
+        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
+    }
+
+
+def assert_untouched(engine: TorchTrainEngine, before: dict[str, Any]) -> None:
+    """Parameters, gradients and optimizer state are exactly as in ``before``."""
+    after = snapshot(engine)
+    for name in ("params", "grads"):
+        for old, new in zip(before[name], after[name], strict=True):
+            assert torch.equal(old, new), name
+    old_state, new_state = before["optimizer"]["state"], after["optimizer"]["state"]
+    assert old_state.keys() == new_state.keys()
+    for index, state in old_state.items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(new_state[index][key]))
+
+
+class InFlight:
+    """A round answered by a timer thread ``delay_s`` after it starts."""
+
+    def __init__(self, answer: Callable[[], dict[str, torch.Tensor]], delay_s: float) -> None:
+        self._future: concurrent.futures.Future[dict[str, torch.Tensor]] = (
+            concurrent.futures.Future()
+        )
+        self._started = time.perf_counter()
+        self._answered: float | None = None
+        self._timer = threading.Timer(delay_s, self._answer, args=(answer,))
+        self._timer.start()
+
+    def _answer(self, answer: Callable[[], dict[str, torch.Tensor]]) -> None:
+        try:
+            self._future.set_result(answer())
+        except LossReduceError as err:
+            self._future.set_exception(err)
+        self._answered = time.perf_counter()
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self._answered is None else self._answered - self._started
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        return self._future.result()
+
+
+class DelayedNormalizer:
+    """Answers like ``inner`` (or raises ``error``), ``delay_s`` after the round starts."""
+
+    def __init__(
+        self, inner: GlobalNormalizer, delay_s: float, error: LossReduceError | None = None
+    ) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.error = error
+        self.started: list[int] = []
+
+    def start(
+        self,
+        step: int,
+        partials: Mapping[str, torch.Tensor],
+        contracts: Mapping[str, str] | None = None,
+    ) -> NormalizerHandle:
+        self.started.append(step)
+        error = self.error
+
+        def answer() -> dict[str, torch.Tensor]:
+            if error is not None:
+                raise error
+            return self.inner.reduce(step, partials, contracts)
+
+        return InFlight(answer, self.delay_s)
+
+    def reduce(
+        self,
+        step: int,
+        partials: Mapping[str, torch.Tensor],
+        contracts: Mapping[str, str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        return self.start(step, partials, contracts).wait()
+
+
+def test_the_round_is_in_flight_during_the_first_forward() -> None:
+    normalizer = DelayedNormalizer(LocalNormalizer(job="test"), delay_s=0.0)
+    engine, recorder, _ = trained_engine(normalizer)
+    seen: list[tuple[int, int]] = []
+
+    def watch(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        seen.append((len(normalizer.started), recorder.backwards))
+        return recorder.forward(model, batch)
+
+    engine.forward_fn = watch
+    engine.train_batch_with_reduction(build_batch(GROUPS, packed=True), make_reduction(THREE_TERMS))
+    # The round started before the first forward, and no backward ran before it.
+    assert seen[0] == (1, 0)
+    assert recorder.forwards == 3
+    assert recorder.backwards > 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidPartialError("job 'test' group 'default' step 1 rank 0: invalid local partial"),
+        RoundAbortedError("job 'test' group 'default' step 1 rank 0: rank 1 sent 'pg'=nan"),
+        ClientClosedError("job 'test' group 'default' step 1 rank 0: the client was closed"),
+    ],
+    ids=["culprit", "peer", "closed"],
+)
+def test_a_failed_round_raises_before_any_backward_and_drops_the_forward(
+    error: LossReduceError,
+) -> None:
+    engine, recorder, before = trained_engine(
+        DelayedNormalizer(LocalNormalizer(job="test"), delay_s=0.05, error=error)
+    )
+    with pytest.raises(type(error)) as info:
+        engine.train_batch_with_reduction(
+            build_batch(GROUPS, packed=True), make_reduction(THREE_TERMS)
+        )
+    assert info.value is error
+    assert (recorder.forwards, recorder.backwards) == (1, 0)  # the overlapped forward only
+    assert_untouched(engine, before)
+    assert engine.step == 2
+
+
+def nan_normalizer() -> LossReduction:
+    """One mean term whose normalizer is NaN (a bug in the normalizer)."""
+    base = make_reduction([TermSpec("pg", "token_mean", channel=0)])
+    term = base.terms[0]
+    return LossReduction(
+        base.loss_fn,
+        [LossTerm("pg", lambda mb: torch.tensor(math.nan), "mean", term.contract)],
+    )
+
+
+def test_a_nan_partial_raises_at_the_wait_with_overlap() -> None:
+    engine, recorder, before = trained_engine(LocalNormalizer(job="test"))
+    with pytest.raises(InvalidPartialError, match=r"step 1 rank 0: invalid local partial 'pg'=nan"):
+        engine.train_batch_with_reduction(build_batch(GROUPS, packed=True), nan_normalizer())
+    assert (recorder.forwards, recorder.backwards) == (1, 0)
+    assert_untouched(engine, before)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_skipped_step_runs_no_backward_and_no_optimizer_step(overlap: bool) -> None:
+    engine, recorder, before = trained_engine(
+        DelayedNormalizer(LocalNormalizer(job="test"), delay_s=0.05),
+        on_empty_step="skip",
+        overlap=overlap,
+    )
+    stats = engine.train_batch_with_reduction(_empty_batch(), make_reduction(THREE_TERMS))
+    assert stats.skipped
+    assert "global normalizer 'distill'=0.0" in stats.skip_reason
+    assert stats.normalizers == {}
+    assert stats.local_normalizers == {"distill": 0.0, "entropy": 0.0, "pg": 0.0}
+    assert (recorder.forwards, recorder.backwards) == ((1 if overlap else 0), 0)
+    assert_untouched(engine, before)
+    assert engine.eval_batch_with_reduction(_empty_batch(), make_reduction(THREE_TERMS)).skipped
+
+
+def test_an_empty_step_raises_the_same_error_with_and_without_overlap() -> None:
+    messages = []
+    for overlap in (True, False):
+        engine, recorder, before = trained_engine(LocalNormalizer(job="test"), overlap=overlap)
+        with pytest.raises(EmptyNormalizerError) as info:
+            engine.train_batch_with_reduction(_empty_batch(), make_reduction(THREE_TERMS))
+        messages.append(str(info.value))
+        assert recorder.backwards == 0
+        assert_untouched(engine, before)
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("n_microbatches", [1, 3])
+def test_overlap_changes_no_number(n_microbatches: int) -> None:
+    runs = []
+    for overlap in (True, False):
+        engine = make_engine(n_microbatches=n_microbatches, overlap=overlap, debug_check=True)
+        train = [
+            engine.train_batch_with_reduction(
+                build_batch(GROUPS[i:], packed=True), make_reduction(THREE_TERMS)
+            )
+            for i in range(2)
+        ]
+        evaluated = engine.eval_batch_with_reduction(
+            build_batch(GROUPS, packed=False), make_reduction(THREE_TERMS)
+        )
+        runs.append(([s.as_dict() for s in train], evaluated.as_dict(), snapshot(engine)))
+    (train_a, eval_a, state_a), (train_b, eval_b, state_b) = runs
+    assert train_a == train_b
+    assert eval_a == eval_b
+    for name in ("params", "grads"):
+        for a, b in zip(state_a[name], state_b[name], strict=True):
+            assert torch.equal(a, b), name
+
+
+def test_the_wait_is_timed_apart_from_the_round() -> None:
+    # The round takes 0.2 s; the first forward 0.5 s: with overlap the engine
+    # finds the answer there, without it the engine sits out the whole round.
+    results = {}
+    for overlap in (True, False):
+        engine, recorder, _ = trained_engine(
+            DelayedNormalizer(LocalNormalizer(job="test"), delay_s=0.2), overlap=overlap
+        )
+
+        def slow_first(
+            model: torch.nn.Module, batch: Batch, rec: Recorder = recorder
+        ) -> torch.Tensor:
+            if rec.forwards == 0:
+                time.sleep(0.5)
+            return rec.forward(model, batch)
+
+        engine.forward_fn = slow_first
+        results[overlap] = engine.train_batch_with_reduction(
+            build_batch(GROUPS, packed=True), make_reduction(THREE_TERMS)
+        )
+    for stats in results.values():
+        assert stats.round_latency_s >= 0.2
+    # Generous bounds: they tell the two apart, not how fast this machine is.
+    assert results[True].normalizer_wait_s < 0.15
+    assert results[False].normalizer_wait_s >= 0.15

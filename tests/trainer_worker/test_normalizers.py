@@ -18,7 +18,9 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import spawn
 
+from lossreduce.client import ReductionClient
 from lossreduce.errors import (
+    ClientClosedError,
     ContractMismatchError,
     EmptyNormalizerError,
     InvalidPartialError,
@@ -32,12 +34,19 @@ from lossreduce.trainer_worker import (
     CoordinatorNormalizer,
     GlobalNormalizer,
     LocalNormalizer,
+    MicrobatchSettings,
+    MicrobatchSplitter,
+    NormalizerHandle,
     TorchDistributedNormalizer,
+    TorchTrainEngine,
 )
 from tests.trainer_worker import dist_harness
 from tests.trainer_worker.toy import (
     THREE_TERMS,
+    build_batch,
+    forward,
     make_model,
+    make_reduction,
     reference_loss_and_grads,
     reference_normalizer,
 )
@@ -133,11 +142,27 @@ class ScriptedClient:
         self.answer = answer
         self.sent: list[tuple[int, dict[str, float], dict[str, str] | None]] = []
 
-    def reduce(self, step: int, partials: Any, contracts: Any = None) -> dict[str, float]:
+    def reduce_start(self, step: int, partials: Any, contracts: Any = None) -> ScriptedPending:
         self.sent.append((step, dict(partials), contracts))
+        return ScriptedPending(self.answer)
+
+
+class ScriptedPending:
+    """A round in flight until :attr:`answered` is set; then it has ``answer``."""
+
+    def __init__(self, answer: dict[str, float] | Exception) -> None:
+        self.answer = answer
+        self.answered = True
+        self.results = 0
+
+    def done(self) -> bool:
+        return self.answered
+
+    def result(self, timeout: float | None = None) -> dict[str, float]:
+        self.results += 1
         if isinstance(self.answer, Exception):
             raise self.answer
-        return self.answer
+        return dict(self.answer)
 
 
 def test_coordinator_normalizer_sends_floats_and_checks_the_answer() -> None:
@@ -206,7 +231,78 @@ def test_coordinator_normalizer_still_sends_a_malformed_request(
     assert got_contracts == sent[1]
 
 
+def test_local_start_answers_at_once_and_wait_raises_the_same_error_every_time() -> None:
+    handle = LocalNormalizer().start(3, {"pg": T(4.0), "kl": T(2.0)})
+    assert isinstance(handle, NormalizerHandle)
+    assert handle.done()
+    assert handle.latency_s is not None
+    assert handle.wait() == LocalNormalizer().reduce(3, {"pg": T(4.0), "kl": T(2.0)})
+    failed = LocalNormalizer(job="j").start(3, {"pg": T(math.nan)})  # does not raise
+    assert failed.done()
+    with pytest.raises(InvalidPartialError, match=r"step 3 rank 0: invalid local partial") as first:
+        failed.wait()
+    with pytest.raises(InvalidPartialError) as second:
+        failed.wait()
+    assert first.value is second.value
+
+
+def test_coordinator_start_sends_at_once_and_waits_for_the_answer_later() -> None:
+    client = ScriptedClient({"pg": 12.0, "kl": 3.0})
+    handle = CoordinatorNormalizer(client).start(4, {"pg": T(5.0), "kl": T(1.0)})
+    assert client.sent == [(4, {"pg": 5.0, "kl": 1.0}, None)]  # sent before any wait
+    assert isinstance(handle, NormalizerHandle)
+    pending = handle._pending  # type: ignore[attr-defined]
+    pending.answered = False
+    in_flight = (handle.done(), handle.latency_s)
+    pending.answered = True
+    answered = (handle.done(), handle.latency_s)
+    assert in_flight == (False, None)
+    assert answered[0]
+    assert answered[1] is not None
+    assert handle.wait() == {"pg": T(12.0, dtype=torch.float64), "kl": T(3.0, dtype=torch.float64)}
+    assert handle.wait() == handle.wait()
+    assert pending.results == 1  # the answer is collected once
+    closed = ClientClosedError("job 'j' group 'g' step 4 rank 2: the client was closed")
+    failed = CoordinatorNormalizer(ScriptedClient(closed)).start(4, {"pg": T(5.0)})
+    for _ in range(2):
+        with pytest.raises(ClientClosedError) as info:
+            failed.wait()
+        assert info.value is closed
+
+
 # ------------------------------------------------------------------ multi-process
+
+
+def test_closing_the_client_mid_round_raises_before_any_backward(coordinator) -> None:
+    # Rank 1 never comes: the round is in flight when the forward closes the client.
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with ReductionClient(
+        coordinator.target, job="close-mid-round", group="g", rank=0, world_size=2
+    ) as client:
+        forwards = []
+
+        def close_during_forward(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+            forwards.append(1)
+            client.close()
+            return forward(m, batch)
+
+        engine = TorchTrainEngine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            CoordinatorNormalizer(client),
+            MicrobatchSplitter(MicrobatchSettings(n_microbatches=2)),
+            forward_fn=close_during_forward,
+        )
+        backwards = dist_harness.BackwardCounter(model)
+        with pytest.raises(ClientClosedError, match=r"job 'close-mid-round' rank 0 was closed"):
+            engine.train_batch_with_reduction(
+                build_batch(dist_harness.all_groups(), packed=True), make_reduction(THREE_TERMS)
+            )
+    assert (len(forwards), backwards.count) == (1, 0)
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert param.grad is None
+        assert torch.equal(param.detach(), old)
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +362,16 @@ def test_distributed_backends_match_the_local_normalizer(
             losses.append(got["stats"]["loss"])
         assert math.isclose(math.fsum(losses), ref_loss, rel_tol=1e-12), name
 
+    # The round overlapped with the first forward (the default) or waited for
+    # before it: the same numbers, bit for bit, on every backend.
+    for name in ("torch_sum", "torch_ddp", "coord_sum"):
+        for res in results:
+            overlapped, serial = res[name], res[f"{name}_serial"]
+            assert {**overlapped["stats"], "step": 0} == {**serial["stats"], "step": 0}, name
+            for key in ("grads", "params"):
+                for a, b in zip(overlapped[key], serial[key], strict=True):
+                    assert torch.equal(a, b), (name, key)
+
     for prefix in ("torch", "coord"):
         raised = [res[f"{prefix}_empty_raise"] for res in results]
         assert {r["error"] for r in raised} == {"EmptyNormalizerError"}, raised
@@ -276,6 +382,13 @@ def test_distributed_backends_match_the_local_normalizer(
         skipped = [res[f"{prefix}_empty_skip"] for res in results]
         assert all(s["skipped"] for s in skipped), skipped
         assert all(all(torch.all(g == 0) for g in s["grads"]) for s in skipped)
+        assert [s["backwards"] for s in skipped] == [0] * world, skipped
+
+        # A failed round raises on every rank before any backward: the forward
+        # done meanwhile is dropped, parameters and gradients untouched.
+        for scenario in ("empty_raise", "invalid", "mismatch"):
+            failed = [res[f"{prefix}_{scenario}"] for res in results]
+            assert all(f["backwards"] == 0 and f["untouched"] for f in failed), failed
 
         invalid = [res[f"{prefix}_invalid"] for res in results]
         assert invalid[1]["error"] == "InvalidPartialError", invalid

@@ -39,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(
         parser,
         TrainSettings,
-        metavars={"address": "ADDRESS", "coordinator": "HOST:PORT", "job": "NAME", "out": "DIR"},
+        metavars={
+            "address": "ADDRESS",
+            "coordinator": "HOST:PORT",
+            "job": "NAME",
+            "model": "PATH",
+            "out": "DIR",
+            "tls_ca": "PATH",
+        },
     )
     return parser
 

@@ -13,9 +13,12 @@ instead of collecting it again (see the README, "Guarantees").
 
 Security: the coordinator accepts only a bearer token made fresh for each run
 (the driver hands it to the workers through Ray). On a one-node cluster it
-listens on loopback only; on a multi-node cluster on every interface, where
-the token travels in clear text — use an external coordinator with TLS
-(``lossreduce serve`` + ``--coordinator``) on untrusted networks.
+listens on loopback only; on a multi-node cluster on every interface, and
+then over TLS with a CA made for the run (:mod:`lossreduce.trainer_worker.train.tls`):
+the server key reaches the actor as a constructor argument, in memory; the
+coordinator reads its TLS material from files only, so the actor writes the
+pair to 0600 files in a private (0700) temp dir on this node and removes them
+as soon as the server has read them, before it serves a single call.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +40,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lossreduce.ports import LOOPBACK, free_port
+from lossreduce.trainer_worker.train.tls import ServerTls, make_run_tls
 
 __all__ = [
     "COORDINATOR_MAX_RESTARTS",
@@ -58,20 +65,25 @@ class CoordinatorActor:
         round_timeout_s: float,
         token: SecretStr,
         journal: Path | None = None,
+        *,
+        tls: ServerTls | None = None,
     ) -> None:
         from lossreduce.server import CoordinatorSettings, CoordinatorThread
 
-        # A restarted actor reopens the same journal and answers retries of the
-        # rounds its previous incarnation finished (README, "Guarantees").
-        settings = CoordinatorSettings(
-            host=host,
-            port=port,
-            metrics_port=0,
-            round_timeout_s=round_timeout_s,
-            token=token,
-            journal=journal,
-        )
-        self._thread = CoordinatorThread(settings).start()
+        with _tls_files(tls) as (cert, key):
+            # A restarted actor reopens the same journal and answers retries of the
+            # rounds its previous incarnation finished (README, "Guarantees").
+            settings = CoordinatorSettings(
+                host=host,
+                port=port,
+                metrics_port=0,
+                round_timeout_s=round_timeout_s,
+                token=token,
+                journal=journal,
+                tls_cert=cert,
+                tls_key=key,
+            )
+            self._thread = CoordinatorThread(settings).start()
         # Workers on other nodes dial this node's IP; on loopback, the loopback address.
         dial = host if host == LOOPBACK else ray.util.get_node_ip_address()
         self._target = f"{dial}:{self._thread.port}"
@@ -93,14 +105,35 @@ class CoordinatorActor:
         self._thread.stop()
 
 
+@contextmanager
+def _tls_files(tls: ServerTls | None) -> Iterator[tuple[Path | None, Path | None]]:
+    """The pair as 0600 files in a fresh 0700 dir, removed on exit (the server reads
+    them once, at start)."""
+    if tls is None:
+        yield None, None
+        return
+    folder = Path(tempfile.mkdtemp(prefix="lossreduce-tls-"))
+    try:
+        paths = folder / "cert.pem", folder / "key.pem"
+        for path, data in zip(paths, (tls.cert_chain, tls.private_key), strict=True):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+        yield paths
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class CoordinatorHandle:
-    """A started coordinator actor and the address it serves on."""
+    """A started coordinator actor, the address it serves on, and the CA it chains to
+    (None: plaintext on loopback)."""
 
     actor: Any
     name: str
     target: str
     journal: Path | None = None
+    ca_cert: bytes | None = None
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the actor serves (raises the actor's error if it could not start)."""
@@ -147,6 +180,9 @@ def start_coordinator_actor(
     (``"tmp"``: :func:`default_journal`, a file new to this run; None: no
     journal); it is pinned to this node, so a restarted actor (same arguments)
     finds the file again. ``stop()`` deletes it.
+
+    On more than one node the coordinator listens on every interface, over TLS
+    with a CA made for this run (:attr:`CoordinatorHandle.ca_cert`).
     """
     journal_path = default_journal(job, secrets.token_hex(6)) if journal == "tmp" else journal
     assert not isinstance(journal_path, str)
@@ -155,12 +191,22 @@ def start_coordinator_actor(
     one_node = sum(1 for node in ray.nodes() if node.get("Alive")) == 1
     host = LOOPBACK if one_node else "0.0.0.0"
     port = free_port(host)
-    target = f"{host if one_node else ray.util.get_node_ip_address()}:{port}"
+    node_ip = ray.util.get_node_ip_address()
+    target = f"{host if one_node else node_ip}:{port}"
+    tls = None if one_node else make_run_tls(job, [node_ip])
     actor_cls = ray.remote(CoordinatorActor)
     actor = actor_cls.options(
         name=name,
         num_cpus=0,
         max_restarts=COORDINATOR_MAX_RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(host, port, round_timeout_s, token, journal_path)
-    return CoordinatorHandle(actor=actor, name=name, target=target, journal=journal_path)
+    ).remote(
+        host, port, round_timeout_s, token, journal_path, tls=None if tls is None else tls.server
+    )
+    return CoordinatorHandle(
+        actor=actor,
+        name=name,
+        target=target,
+        journal=journal_path,
+        ca_cert=None if tls is None else tls.ca_cert,
+    )

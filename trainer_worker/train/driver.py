@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import ray
 import torch
@@ -29,6 +29,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
 from lossreduce.client import ClientSettings
+from lossreduce.errors import UsageError
+from lossreduce.server.security import is_loopback
 from lossreduce.trainer_worker.train.coordinator_actor import (
     CoordinatorHandle,
     start_coordinator_actor,
@@ -38,19 +40,24 @@ from lossreduce.trainer_worker.train.outputs import RunOutputs, StepRecord
 from lossreduce.trainer_worker.train.placement import WorkerPlacement, create_worker_placement
 from lossreduce.trainer_worker.train.rollout import RolloutBatch, Samples, build_batch, stream_seed
 from lossreduce.trainer_worker.train.task import DigitTask
+from lossreduce.trainer_worker.train.tls import read_ca
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import (
     VerifyReport,
     compare_gradients,
     single_process_gradients,
 )
-from lossreduce.trainer_worker.train.worker import WorkerStepResult
+from lossreduce.trainer_worker.train.worker import REDUCTION_GROUP, WorkerStepResult
 from lossreduce.trainer_worker.train.worker_group import (
     TrainingFailedError,
     WorkerGroup,
     death_reason,
     short_error,
 )
+
+if TYPE_CHECKING:
+    from lossreduce.trainer_worker.train.agent_actor import NodeAgents
+    from lossreduce.trainer_worker.train.trl_model import PolicyCheckpoint
 
 __all__ = ["RunResult", "StepObserver", "TrainingFailedError", "default_out_dir", "run"]
 
@@ -126,6 +133,62 @@ def _check_capacity(settings: TrainSettings) -> None:
         )
 
 
+def aggregates(settings: TrainSettings, placement: WorkerPlacement) -> bool:
+    """Whether the run uses node agents: ``--aggregation node``, or ``auto`` over many nodes."""
+    if settings.normalizer != "coordinator" or settings.aggregation == "off":
+        return False
+    return settings.aggregation == "node" or len({s.node_id for s in placement.slots}) > 1
+
+
+def _check_reachable_from_every_node(settings: TrainSettings, placement: WorkerPlacement) -> None:
+    """A loopback ``--coordinator`` is this node's only: ranks and agents elsewhere miss it."""
+    if settings.coordinator is None:
+        return
+    nodes = {s.node_id for s in placement.slots}
+    host = settings.coordinator.rpartition(":")[0]
+    if len(nodes) > 1 and is_loopback(host):
+        raise TrainingFailedError(
+            f"--coordinator {settings.coordinator} is a loopback address, but the {settings.workers} "
+            f"workers span {len(nodes)} nodes, whose ranks and agents would each dial their own "
+            "node; give an address every node reaches (e.g. this node's IP)"
+        )
+
+
+def _start_agents(
+    settings: TrainSettings,
+    job: str,
+    placement: WorkerPlacement,
+    *,
+    upstream: str,
+    token: SecretStr | None,
+    tls_ca: bytes | None,
+) -> NodeAgents:
+    """The node agents, upstream to the coordinator with the run's credentials."""
+    # Imported here: a run without agents (one node, the torch normalizer) needs none of it.
+    from lossreduce.client.agent import AgentSettings
+    from lossreduce.trainer_worker.train.agent_actor import start_node_agents
+
+    agent_settings = AgentSettings(
+        call_timeout_s=settings.round_timeout_s + 30,
+        # Below the round timeout, so that the coordinator's timeout names only the ranks
+        # that never came (the agent forwards late ones as they come).
+        node_timeout_s=settings.round_timeout_s / 2,
+        token=token,
+        tls_root_cert_pem=tls_ca,
+    )
+    try:
+        return start_node_agents(
+            placement.slots,
+            upstream,
+            job=job,
+            group=REDUCTION_GROUP,
+            settings=agent_settings,
+            timeout_s=STARTUP_TIMEOUT_S,
+        )
+    except RuntimeError as err:
+        raise TrainingFailedError(str(err)) from err
+
+
 def _rollouts(
     settings: TrainSettings, task: DigitTask, workers: WorkerGroup, step: int
 ) -> tuple[RolloutBatch, float]:
@@ -177,6 +240,7 @@ def _record(
         losses=dict(first.losses),
         normalizers={term: first.normalizers[term] for term in order},
         round_latency_s=max(r.round_latency_s for r in results),
+        normalizer_wait_s=max(r.normalizer_wait_s for r in results),
         step_seconds=seconds,
         skipped=first.skipped,
         responses=len(batch),
@@ -225,10 +289,58 @@ def _verify(settings: TrainSettings, job: str, workers: WorkerGroup) -> VerifyRe
     )
 
 
+def _describe_run(
+    settings: TrainSettings,
+    job: str,
+    placement: WorkerPlacement,
+    *,
+    target: str | None,
+    tls_ca: bytes | None,
+    agents: NodeAgents | None,
+) -> str:
+    """The run's first line: who trains where, and how the normalizers travel."""
+    nodes = len({s.node_id for s in placement.slots})
+    line = (
+        f"lossreduce train: job {job!r}, {settings.workers} workers "
+        f"({'GPU' if placement.use_gpu else 'CPU'}, {settings.placement}, "
+        f"{nodes} node{'s' if nodes > 1 else ''}), normalizer {settings.normalizer}"
+    )
+    if settings.normalizer == "coordinator":
+        line += f" at {target}{' over TLS' if tls_ca is not None else ''}"
+    if agents is not None:
+        line += f" through {len(agents.actors)} node agents"
+    return line + f", mode {settings.mode}"
+
+
+def _wait_ready(coordinator: CoordinatorHandle | None) -> None:
+    """Wait for the embedded coordinator actor to serve (no-op without one)."""
+    if coordinator is None:
+        return
+    try:
+        coordinator.wait_ready(STARTUP_TIMEOUT_S)
+    except (RayActorError, GetTimeoutError) as err:
+        raise TrainingFailedError(
+            f"the coordinator actor {coordinator.name} did not start: {death_reason(err)}"
+        ) from err
+
+
 def default_out_dir(now: datetime | None = None) -> Path:
     """``runs/<UTC timestamp>``."""
     stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
     return Path("runs") / stamp
+
+
+def _prepare_trl(settings: TrainSettings, out_dir: Path) -> PolicyCheckpoint:
+    """The TRL engine's policy checkpoint (imports TRL only when asked for)."""
+    try:
+        # Imports TRL and checks its version: a missing or untested TRL fails here.
+        from lossreduce.trainer_worker.train.trl_job import prepare_policy
+    except ImportError as err:
+        raise TrainingFailedError(f"--engine trl: {err}") from err
+    try:
+        return prepare_policy(settings, out_dir)
+    except UsageError as err:
+        raise TrainingFailedError(str(err)) from err
 
 
 def run(
@@ -242,20 +354,27 @@ def run(
     now = datetime.now(UTC)
     job = settings.job or f"train-{now.strftime('%Y%m%d-%H%M%S')}"
     out_dir = settings.out or default_out_dir(now)
+    # --engine trl: its policy checkpoint is checked before Ray starts (bad input costs nothing).
+    trl_policy = _prepare_trl(settings, out_dir) if settings.engine == "trl" else None
     with _ray_session(settings) as started_local:
         coordinator: CoordinatorHandle | None = None
         placement: WorkerPlacement | None = None
         workers: WorkerGroup | None = None
+        agents: NodeAgents | None = None
         failed = True
         try:
             target = settings.coordinator
-            # An external coordinator takes the operator's token ($LOSSREDUCE_TOKEN);
-            # the embedded one a fresh token of this run.
+            # An external coordinator takes the operator's token ($LOSSREDUCE_TOKEN)
+            # and --tls-ca; the embedded one a fresh token and CA of this run.
             token = ClientSettings().token if target is not None else None
+            try:
+                tls_ca = None if settings.tls_ca is None else read_ca(settings.tls_ca)
+            except UsageError as err:
+                raise TrainingFailedError(str(err)) from err
             if settings.normalizer == "coordinator" and target is None:
                 token = SecretStr(secrets.token_urlsafe(32))
                 coordinator = start_coordinator_actor(job, settings.round_timeout_s, token)
-                target = coordinator.target
+                target, tls_ca = coordinator.target, coordinator.ca_cert
             if started_local:
                 _check_capacity(settings)
             try:
@@ -264,21 +383,44 @@ def run(
                 )
             except TimeoutError as err:
                 raise TrainingFailedError(f"--placement {settings.placement}: {err}") from err
-            workers = WorkerGroup.start(settings, job, placement, target, token)
-            if coordinator is not None:
-                try:
-                    coordinator.wait_ready(STARTUP_TIMEOUT_S)
-                except (RayActorError, GetTimeoutError) as err:
-                    raise TrainingFailedError(
-                        f"the coordinator actor {coordinator.name} did not start: "
-                        f"{death_reason(err)}"
-                    ) from err
+            _check_reachable_from_every_node(settings, placement)
+            targets: list[str | None] = [target] * settings.workers
+            cas = [tls_ca] * settings.workers
+            if target is not None and aggregates(settings, placement):
+                # Agents connect upstream at start: the coordinator serves first.
+                _wait_ready(coordinator)
+                agents = _start_agents(
+                    settings, job, placement, upstream=target, token=token, tls_ca=tls_ca
+                )
+                # Ranks reach their node's agent over loopback: plaintext, same token.
+                targets = [agents.target_of(rank) for rank in range(settings.workers)]
+                cas = [None] * settings.workers
+            if trl_policy is not None:
+                from lossreduce.trainer_worker.train.trl_job import run_trl
+
+                _wait_ready(coordinator)
+                result = run_trl(
+                    settings,
+                    job,
+                    out_dir,
+                    trl_policy,
+                    placement,
+                    targets=targets,
+                    token=token,
+                    tls_ca=cas,
+                    console=console,
+                    observers=observers,
+                )
+                failed = False
+                return result
+            workers = WorkerGroup.start(
+                settings, job, placement, targets=targets, token=token, tls_ca=cas
+            )
+            if agents is not None:
+                workers.failure_notes = agents.dead
+            _wait_ready(coordinator)
             console.print(
-                f"lossreduce train: job {job!r}, {settings.workers} workers "
-                f"({'GPU' if placement.use_gpu else 'CPU'}, {settings.placement}), "
-                f"normalizer {settings.normalizer}"
-                + (f" at {target}" if settings.normalizer == "coordinator" else "")
-                + f", mode {settings.mode}"
+                _describe_run(settings, job, placement, target=target, tls_ca=tls_ca, agents=agents)
             )
             if settings.verify:
                 report = _verify(settings, job, workers)
@@ -298,6 +440,8 @@ def run(
                     workers.shutdown(graceful=not failed)
             finally:
                 try:
+                    if agents is not None:
+                        agents.stop()
                     if placement is not None:
                         placement.remove()
                 finally:

@@ -1,7 +1,7 @@
 """What a training run shows and leaves behind.
 
 - a live progress bar (rich): step, reward, each term's loss and global
-  normalizer, round latency;
+  normalizer, round latency and the part of it a rank waited for;
 - a final summary table;
 - ``metrics.jsonl`` (one JSON object per step) and ``plot.png`` (reward and
   losses against step) in the run's output directory.
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
@@ -38,7 +39,7 @@ class StepRecord:
     normalizers: dict[str, float]
     """Global normalizer of each term; empty when skipped."""
     round_latency_s: float
-    """Slowest rank's wait for its global normalizers."""
+    """Slowest rank's normalizer round, from its start to its answer."""
     step_seconds: float
     """Driver wall time of the step: rollouts, filtering, training."""
     skipped: bool
@@ -49,6 +50,9 @@ class StepRecord:
     """Prompt groups kept after filtering."""
     tokens: int
     """Loss tokens kept after filtering."""
+    normalizer_wait_s: float = 0.0
+    """Longest time a rank was blocked waiting for its round; the rest of the
+    round hid behind that rank's first forward."""
 
 
 def _fmt_terms(values: dict[str, float]) -> str:
@@ -108,7 +112,8 @@ class RunOutputs:
             completed=len(self.records),
             description=(
                 f"reward {record.reward:.3f} | {state} | "
-                f"round {1000 * record.round_latency_s:.1f} ms"
+                f"round {1000 * record.round_latency_s:.1f} ms "
+                f"(waited {1000 * record.normalizer_wait_s:.1f} ms)"
             ),
         )
 
@@ -132,6 +137,11 @@ class RunOutputs:
                 table.add_row(f"global normalizer {term} (last)", f"{value:g}")
             mean_latency = sum(r.round_latency_s for r in trained) / len(trained)
             table.add_row("round latency mean", f"{1000 * mean_latency:.1f} ms")
+        latency = statistics.median(r.round_latency_s for r in recs)
+        wait = statistics.median(r.normalizer_wait_s for r in recs)
+        table.add_row(
+            "round latency / normalizer wait median", f"{1000 * latency:.1f} / {1000 * wait:.1f} ms"
+        )
         table.add_row("step time mean", f"{sum(r.step_seconds for r in recs) / len(recs):.2f} s")
         table.add_row("metrics", str(self.jsonl_path))
         table.add_row("plot", str(self.plot_path))

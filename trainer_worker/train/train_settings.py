@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lossreduce.trainer_worker.train.trl_flags import check_engine_flags
+
 __all__ = ["Mode", "TrainSettings"]
 
 Mode = Literal["token_mean", "seq_mean", "prompt_mean", "constant"]
@@ -27,6 +29,12 @@ class TrainSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    engine: Literal["torch", "trl"] = Field(
+        default="torch",
+        description="What trains on each Ray worker: 'torch' (lossreduce's own engine and "
+        "policy) or 'trl' (one Hugging Face TRL GRPO process per worker, "
+        "LossReduceGRPOTrainer; needs pip install 'lossreduce[trl]').",
+    )
     # -- cluster ------------------------------------------------------------
     address: str | None = Field(
         default_factory=lambda: os.environ.get("RAY_ADDRESS") or None,
@@ -54,6 +62,18 @@ class TrainSettings(BaseModel):
         default="coordinator",
         description="Where global normalizers come from: the coordinator over gRPC, or a "
         "torch.distributed all-reduce among the workers.",
+    )
+    tls_ca: Path | None = Field(
+        default=None,
+        description="PEM CA bundle the --coordinator's TLS certificate must chain to (read "
+        "on the driver and handed to workers and agents through Ray); only with --coordinator: "
+        "the embedded coordinator makes its own CA for the run.",
+    )
+    aggregation: Literal["auto", "node", "off"] = Field(
+        default="auto",
+        description="Node aggregation: 'node' runs one agent per node that sends one "
+        "contribution per round for its ranks; 'off' has every rank talk to the coordinator; "
+        "'auto' is 'node' when the workers span more than one node. Results are bit-identical.",
     )
     round_timeout_s: float = Field(
         default=30.0,
@@ -140,6 +160,12 @@ class TrainSettings(BaseModel):
     d_model: int = Field(default=64, ge=8, description="Policy width.")
     layers: int = Field(default=2, ge=1, description="Policy transformer blocks.")
     heads: int = Field(default=4, ge=1, description="Attention heads per block.")
+    model: Path | None = Field(
+        default=None,
+        description="--engine trl only: a local Hugging Face causal-LM checkpoint folder "
+        "(with its tokenizer) as the policy (default: a tiny Qwen2 of --d-model, --layers, "
+        "--heads built from its config).",
+    )
     # -- output ---------------------------------------------------------------
     out: Path | None = Field(
         default=None,
@@ -158,8 +184,19 @@ class TrainSettings(BaseModel):
             raise ValueError(
                 f"--divisor {self.divisor:g} is only valid with --mode constant, not --mode {self.mode}"
             )
+        if self.tls_ca is not None and self.coordinator is None:
+            raise ValueError(
+                f"--tls-ca {self.tls_ca} needs --coordinator: the embedded coordinator makes "
+                "its own CA for the run"
+            )
+        if self.aggregation == "node" and self.normalizer == "torch":
+            raise ValueError(
+                "--aggregation node needs --normalizer coordinator: the torch normalizer "
+                "sends nothing to aggregate"
+            )
         if self.d_model % self.heads:
             raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
+        check_engine_flags(self)
         return self
 
     @property

@@ -36,6 +36,7 @@ from lossreduce.trainer_worker.microbatch import MicrobatchSettings, MicrobatchS
 from lossreduce.trainer_worker.normalizers import (
     CoordinatorNormalizer,
     GlobalNormalizer,
+    NormalizerHandle,
     TorchDistributedNormalizer,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
@@ -76,10 +77,16 @@ class WorkerConfig(BaseModel):
     rank: int = Field(ge=0, description="This worker's rank.")
     world_size: int = Field(ge=1, description="Number of ranks.")
     coordinator: str | None = Field(
-        description="HOST:PORT of the coordinator (None with the torch normalizer)."
+        description="HOST:PORT of the coordinator, or of this node's agent when the run "
+        "aggregates per node (None with the torch normalizer)."
     )
     coordinator_token: SecretStr | None = Field(
         description="Bearer token the coordinator accepts (None: send none)."
+    )
+    coordinator_tls_ca: bytes | None = Field(
+        default=None,
+        description="PEM CA the coordinator's TLS certificate chains to (None: plaintext, "
+        "e.g. to a coordinator or agent on loopback).",
     )
     settings: TrainSettings = Field(description="The run's settings.")
 
@@ -94,15 +101,28 @@ class WorkerStepResult:
     losses: dict[str, float]
     normalizers: dict[str, float]
     round_latency_s: float
+    """This rank's normalizer round, from its start to its answer."""
     step_seconds: float
+    normalizer_wait_s: float = 0.0
+    """Time this rank was blocked waiting for the round (the rest hid behind its forward)."""
 
 
 class TimedNormalizer:
-    """A :class:`GlobalNormalizer` that remembers how long its last round took."""
+    """A :class:`GlobalNormalizer` that remembers how long its last blocking
+    ``reduce`` took. ``start`` is passed through: an engine that overlaps the
+    round times it itself (:attr:`StepStats.round_latency_s`)."""
 
     def __init__(self, inner: GlobalNormalizer) -> None:
         self.inner = inner
         self.last_seconds = 0.0
+
+    def start(
+        self,
+        step: int,
+        partials: Mapping[str, Tensor],
+        contracts: Mapping[str, str] | None = None,
+    ) -> NormalizerHandle:
+        return self.inner.start(step, partials, contracts)
 
     def reduce(
         self,
@@ -218,6 +238,7 @@ class TrainerWorker:
                 settings=ClientSettings(
                     call_timeout_s=self.settings.round_timeout_s + 30,
                     token=self.config.coordinator_token,
+                    tls_root_cert_pem=self.config.coordinator_tls_ca,
                 ),
             )
             self._client = client
@@ -261,7 +282,7 @@ class TrainerWorker:
         self, step: int, shard: RolloutBatch, reward: float, capture_gradients: bool = False
     ) -> WorkerStepResult:
         """One optimizer step on this rank's shard (or a skip, on every rank alike)."""
-        engine, timed = self._require_setup()
+        engine, _ = self._require_setup()
         if engine.step != step:
             raise RuntimeError(
                 f"rank {self.rank}: asked for step {step}, engine is at {engine.step}"
@@ -278,8 +299,9 @@ class TrainerWorker:
             skip_reason=stats.skip_reason,
             losses=losses,
             normalizers=dict(stats.normalizers),
-            round_latency_s=timed.last_seconds,
+            round_latency_s=stats.round_latency_s,
             step_seconds=seconds,
+            normalizer_wait_s=stats.normalizer_wait_s,
         )
 
     def gradients(self) -> dict[str, Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -29,6 +29,7 @@ __all__ = [
     "WorkerGroup",
     "death_reason",
     "describe_failure",
+    "place_rank",
     "short_error",
     "worker_name",
 ]
@@ -76,8 +77,10 @@ def describe_failure(
     dead: Mapping[int, str],
     errors: Mapping[int, str],
     hung: Sequence[int],
+    notes: Sequence[str] = (),
 ) -> str:
-    """One message naming every dead, failed and hung rank with its node."""
+    """One message naming every dead, failed and hung rank with its node, then ``notes``
+    (e.g. which node agents are gone)."""
     where = f"step {step} ({what})" if step is not None else what
     parts = [
         f"rank {r} on {describe_slot(slots[r])} died ({reason})"
@@ -86,9 +89,26 @@ def describe_failure(
     parts += [
         f"rank {r} on {describe_slot(slots[r])} failed: {msg}" for r, msg in sorted(errors.items())
     ]
-    if hung:
-        parts.append(f"ranks {list(hung)} did not answer in time")
+    # Hung ranks by node: a lost node shows up as all of its ranks at once.
+    by_node: dict[str, list[int]] = {}
+    for rank in hung:
+        by_node.setdefault(describe_slot(slots[rank]), []).append(rank)
+    parts += [f"ranks {ranks} on {node} did not answer in time" for node, ranks in by_node.items()]
+    parts += notes
     return f"{where} failed: " + "; ".join(parts)
+
+
+def place_rank(actor_cls: Any, config: Any, job: str, rank: int, placement: WorkerPlacement) -> Any:
+    """Start ``actor_cls(config)`` as ``rank``: named, never restarted, in its bundle."""
+    return actor_cls.options(
+        name=worker_name(job, rank),
+        max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=placement.group,
+            placement_group_bundle_index=placement.slots[rank].bundle_index,
+        ),
+        **placement.actor_resources(),
+    ).remote(config)
 
 
 class WorkerGroup:
@@ -100,6 +120,8 @@ class WorkerGroup:
         self.handles = list(handles)
         self.slots = placement.slots
         self.settings = settings
+        self.failure_notes: Callable[[], Sequence[str]] = tuple
+        """Asked when a phase fails, for more to report (the node agents that are gone)."""
 
     @classmethod
     def start(
@@ -107,32 +129,33 @@ class WorkerGroup:
         settings: TrainSettings,
         job: str,
         placement: WorkerPlacement,
-        coordinator: str | None,
+        *,
+        targets: Sequence[str | None],
         token: SecretStr | None,
+        tls_ca: Sequence[bytes | None],
     ) -> WorkerGroup:
-        """One actor per slot in rank order, joined in one torch.distributed group."""
+        """One actor per slot in rank order, joined in one torch.distributed group.
+
+        ``targets[rank]`` is what that rank dials (the coordinator, or its node's
+        agent) and ``tls_ca[rank]`` the CA that target's certificate chains to.
+        """
         actor_cls = ray.remote(TrainerWorker)
         handles = []
-        for rank, slot in enumerate(placement.slots):
+        for rank in range(len(placement.slots)):
             config = WorkerConfig(
                 job=job,
                 rank=rank,
                 world_size=settings.workers,
-                coordinator=coordinator,
+                coordinator=targets[rank],
                 coordinator_token=token,
+                coordinator_tls_ca=tls_ca[rank],
                 settings=settings,
             )
-            handle = actor_cls.options(
-                name=worker_name(job, rank),
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement.group,
-                    placement_group_bundle_index=slot.bundle_index,
-                ),
-                **placement.actor_resources(),
-            ).remote(config)
-            handles.append(handle)
+            handles.append(place_rank(actor_cls, config, job, rank, placement))
         group = cls(handles, placement, settings)
+        # Every rank constructed first (torch imported, policy built: slow on a busy node),
+        # so the rendezvous timeout covers only the join itself.
+        group.gather([h.where.remote() for h in handles], "startup", None)
         # Rank 0 picks the rendezvous address on its node; everyone joins it.
         addr, port = group.gather([handles[0].rendezvous_address.remote()], "startup", None)[0]
         group.gather([h.setup.remote(addr, port) for h in handles], "process-group setup", None)
@@ -181,6 +204,7 @@ class WorkerGroup:
                     dead=dead,
                     errors=errors,
                     hung=sorted(pending.values()),
+                    notes=self.failure_notes(),
                 )
             )
         return [results[r] for r in ranks]

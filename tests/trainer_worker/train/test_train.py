@@ -244,6 +244,12 @@ def test_empty_step_raises_on_every_rank_with_the_torch_backend_too(tmp_path: Pa
         (["--round-timeout-s", "inf"], "--round-timeout-s inf: Input should be a finite number"),
         (["--round-timeout-s", "1e300"], "--round-timeout-s 1e300: Input should be less than"),
         (["--step-timeout-s", "1e300"], "--step-timeout-s 1e300: Input should be less than"),
+        (["--tls-ca", "ca.pem"], "--tls-ca ca.pem needs --coordinator"),
+        (
+            ["--aggregation", "node", "--normalizer", "torch"],
+            "--aggregation node needs --normalizer coordinator",
+        ),
+        (["--aggregation", "rack"], "--aggregation rack: Input should be 'auto', 'node' or 'off'"),
         (["--steps"], "argument --steps: expected one argument"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from lossreduce.errors import EmptyNormalizerError
-from lossreduce.trainer_worker.normalizers import LocalNormalizer
+from lossreduce.trainer_worker.normalizers import LocalNormalizer, NormalizerHandle, ReadyHandle
 from lossreduce.trainer_worker.train.placement import BundleSlot
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VERIFY_RTOL, compare_gradients
@@ -34,6 +34,11 @@ class _SlowNormalizer:
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
         self.inner = LocalNormalizer(job="j", group="g")
+
+    def start(
+        self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str] | None = None
+    ) -> NormalizerHandle:
+        return ReadyHandle(lambda: self.reduce(step, partials, contracts))
 
     def reduce(
         self, step: int, partials: Mapping[str, Tensor], contracts: Mapping[str, str] | None = None
@@ -103,5 +108,5 @@ def test_failure_message_names_dead_failed_and_hung_ranks_with_nodes() -> None:
         "step 7 (training) failed: rank 1 on node 10.0.0.2 (id bbbbbbbbbbbb) died "
         "(The actor died unexpectedly); "
         "rank 0 on node 10.0.0.1 (id aaaaaaaaaaaa) failed: RoundTimeoutError: ranks [1] missing; "
-        "ranks [2] did not answer in time"
+        "ranks [2] on node 10.0.0.3 (id cccccccccccc) did not answer in time"
     )

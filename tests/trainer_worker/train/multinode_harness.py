@@ -1,0 +1,54 @@
+"""A real Ray cluster of several raylets on this machine, for one test module.
+
+``ray.cluster_utils.Cluster`` starts a head and extra raylets, each with its
+own (logical) CPUs: placement groups, node affinity and node death behave as
+on a cluster of machines, though every node shares this machine's IP. The
+GCS health check is tightened so a removed raylet is declared dead in a few
+seconds rather than Ray's default of about 15.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+__all__ = ["NODE_CPUS", "local_cluster", "session_logs"]
+
+NODE_CPUS = 2
+"""Logical CPUs per raylet: enough for two workers on each of three nodes."""
+
+
+@contextmanager
+def local_cluster(nodes: int = 3) -> Iterator[Cluster]:
+    """A head plus ``nodes - 1`` raylets, joined by this process; all shut down after."""
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": NODE_CPUS,
+            "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        },
+    )
+    try:
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=NODE_CPUS)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+def session_logs(cluster: Cluster) -> list[Path]:
+    """Every log file of the cluster's session (driver, actors, raylets)."""
+    logs = Path(cluster.head_node.get_session_dir_path()) / "logs"
+    return [path for path in logs.rglob("*") if path.is_file()]
