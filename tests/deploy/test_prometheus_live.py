@@ -42,6 +42,7 @@ from lossreduce.errors import (
 )
 from lossreduce.server import CoordinatorThread, OutcomeKind
 from lossreduce.trainer_worker.train.metrics import WorkerMetrics
+from tests.ray_support import local_ray
 
 JOB, GROUP = "deploy-live", "actor"
 AGENT_GROUP = "agent"
@@ -272,20 +273,10 @@ def running_prometheus(
 
 @contextmanager
 def ray_node(metrics_port: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if ray.is_initialized():  # a session left over by another module would lack the export port
-        ray.shutdown()
     # User metrics reach the export port every 10 s by default; 0.5 s keeps the test short.
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")
-    ray.init(
-        num_cpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-    )
-    try:
+    with local_ray(num_cpus=1, metrics_export_port=metrics_port):
         yield
-    finally:
-        ray.shutdown()
 
 
 def _pair(

@@ -100,7 +100,9 @@ def _ray_session(settings: TrainSettings) -> Iterator[bool]:
         else:
             _check_reachable(settings.address)
             ray.init(address=settings.address, logging_level="WARNING")
-    except (ConnectionError, RuntimeError, ValueError) as err:
+    except Exception as err:
+        # Ray raises a bare Exception when a raylet misses its 30 s registration window
+        # (an overloaded machine); anything else Ray raises here is as much the run's end.
         where = f"--address {settings.address}" if settings.address else "a local Ray cluster"
         raise TrainingFailedError(f"cannot start or join {where}: {short_error(err)}") from err
     try:

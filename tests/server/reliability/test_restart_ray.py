@@ -24,6 +24,7 @@ from lossreduce.client import AsyncReductionClient, ClientSettings
 from lossreduce.client._transport import call_metadata
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
+from tests.ray_support import local_ray
 
 ray = pytest.importorskip("ray")
 
@@ -37,13 +38,8 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    if ray.is_initialized():  # a session another module left behind
-        ray.shutdown()
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    try:
+    with local_ray(num_cpus=1):
         yield
-    finally:
-        ray.shutdown()
 
 
 def _wait_restarted(target: str, token: str, job: str) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.ray_support import reap_ray_processes
+
 __all__ = ["NODE_CPUS", "local_cluster", "session_logs"]
 
 NODE_CPUS = 2
@@ -27,14 +29,21 @@ def local_cluster(nodes: int = 3) -> Iterator[Cluster]:
     """A head plus ``nodes - 1`` raylets, joined by this process; all shut down after."""
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": NODE_CPUS,
-            "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
-        },
-    )
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": NODE_CPUS,
+                "include_dashboard": False,
+                "_system_config": {
+                    "health_check_period_ms": 1000,
+                    "health_check_failure_threshold": 3,
+                },
+            },
+        )
+    except Exception:  # Ray's bare Exception for a slow raylet: reap what it started
+        reap_ray_processes()
+        raise
     try:
         for _ in range(nodes - 1):
             cluster.add_node(num_cpus=NODE_CPUS)

@@ -12,7 +12,7 @@ from lossreduce.trainer_worker.train.placement import (
     describe_slot,
     order_slots,
 )
-from tests.trainer_worker.train.ray_harness import local_ray
+from tests.ray_support import local_ray
 
 
 def test_ranks_are_ordered_by_node_ip_then_node_id_then_bundle() -> None:

@@ -28,7 +28,7 @@ from lossreduce.trainer_worker.train.outputs import StepRecord
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.worker_group import TrainingFailedError, worker_name
 from tests.conftest import flag_error
-from tests.trainer_worker.train.ray_harness import local_ray
+from tests.ray_support import local_ray
 
 pytestmark = pytest.mark.ray
 

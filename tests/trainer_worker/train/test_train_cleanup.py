@@ -20,7 +20,7 @@ from lossreduce.trainer_worker.train.coordinator_actor import (
 )
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.worker_group import TrainingFailedError
-from tests.trainer_worker.train.ray_harness import local_ray
+from tests.ray_support import local_ray
 
 pytestmark = pytest.mark.ray
 

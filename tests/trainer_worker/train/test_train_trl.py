@@ -40,6 +40,7 @@ from lossreduce.trainer_worker.train.trl_task import (
 )
 from lossreduce.trainer_worker.train.worker_group import TrainingFailedError
 from tests.conftest import flag_error
+from tests.ray_support import local_ray
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -68,20 +69,8 @@ ON_A_CHECKPOINT = {k: v for k, v in TINY.items() if k not in ("d_model", "heads"
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    # A fresh local cluster even where another one runs on this machine.
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="WARNING",
-        log_to_driver=False,
-    )
-    try:
+    with local_ray():
         yield
-    finally:
-        ray.shutdown()
 
 
 def _checkpoint(folder: Path, *, pad: bool = True) -> Path:

@@ -1,0 +1,79 @@
+"""Local Ray sessions for tests: fresh, retried when a raylet is slow to register, reaped.
+
+On a loaded 2-core machine a raylet sometimes misses Ray's fixed 30 s
+registration window and ``ray.init`` raises a bare ``Exception`` with the
+GCS and raylet it spawned still running. Left alone, their ``Popen``
+objects are collected later, inside some unrelated test, as
+"subprocess N is still running" ResourceWarnings (errors under
+``-W error``). :func:`local_ray` kills and reaps what the failed start
+left behind and tries again.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+
+__all__ = ["local_ray", "reap_ray_processes"]
+
+START_ATTEMPTS = 3
+"""Starts tried before a slow machine's failure is the test's failure."""
+
+_RAY_PACKAGE = str(Path(ray.__file__).parent)
+
+
+def reap_ray_processes() -> int:
+    """Kill and wait for every process this interpreter spawned from Ray's package; how many."""
+    reaped = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some heap objects warn when asked for __class__.
+        if not issubclass(type(obj), subprocess.Popen) or obj.returncode is not None:
+            continue
+        args = obj.args if isinstance(obj.args, list | tuple) else [obj.args]
+        if not any(_RAY_PACKAGE in str(arg) for arg in args):
+            continue
+        if obj.poll() is None:
+            obj.kill()
+        obj.wait()
+        reaped += 1
+    return reaped
+
+
+def _start_timed_out(err: Exception) -> bool:
+    return "timed out during startup" in str(err)
+
+
+@contextmanager
+def local_ray(num_cpus: int = 2, *, metrics_export_port: int | None = None) -> Iterator[None]:
+    """A fresh local Ray session (ending any left over), shut down and waited for after.
+
+    ``metrics_export_port`` sets where the node exports Prometheus metrics.
+    """
+    if ray.is_initialized():
+        ray.shutdown(wait_for_processes=True)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            # address="local": a new cluster even where another runs on this machine.
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                logging_level="WARNING",
+                log_to_driver=False,
+                _metrics_export_port=metrics_export_port,
+            )
+            break
+        except Exception as err:  # Ray raises a bare Exception for a slow raylet
+            ray.shutdown(wait_for_processes=True)
+            reap_ray_processes()
+            if attempt == START_ATTEMPTS or not _start_timed_out(err):
+                raise
+    try:
+        yield
+    finally:
+        ray.shutdown(wait_for_processes=True)
