@@ -57,14 +57,14 @@ __all__ = [
 ]
 
 PROG = "lossreduce bench"
-_QUICK_WORLD_SIZES = (2, 8, 64, 256)
+_QUICK_WORLD_SIZES = (1, 2, 8, 64, 256)
 QUICK_DEFAULTS: dict[str, object] = {
     "world_sizes": _QUICK_WORLD_SIZES,
     "rounds": 30,
     "warmup_rounds": 3,
 }
 """What ``--quick`` changes from the defaults (flags given still win)."""
-_FULL_WORLD_SIZES = (2, 4, 8, 16, 64, 256)
+_FULL_WORLD_SIZES = (1, 2, 4, 8, 16, 64, 256)
 _PROCESS_MEMORY_BYTES = 120 * 1024 * 1024
 """Resident memory budgeted per rank process (a forked torch + grpc interpreter
 with a gloo group, measured about 100 MB) when sizing --max-processes."""
@@ -89,7 +89,9 @@ class BenchSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     world_sizes: tuple[int, ...] = Field(
-        default=_FULL_WORLD_SIZES, description="World sizes N to measure, each >= 2."
+        default=_FULL_WORLD_SIZES,
+        description="World sizes N to measure, each >= 1 (N=1: a round completes on "
+        "arrival, so it isolates the client's own cost).",
     )
     rounds: int = Field(default=200, ge=1, description="Measured rounds per contender and N.")
     warmup_rounds: int = Field(
@@ -152,8 +154,8 @@ class BenchSettings(BaseModel):
     @field_validator("world_sizes")
     @classmethod
     def _sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if not value or any(n < 2 for n in value):
-            raise ValueError(f"world sizes {list(value)} must be non-empty and each >= 2")
+        if not value or any(n < 1 for n in value):
+            raise ValueError(f"world sizes {list(value)} must be non-empty and each >= 1")
         return tuple(sorted(set(value)))
 
     @model_validator(mode="after")

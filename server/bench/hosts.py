@@ -1,8 +1,9 @@
 """Load processes of ``lossreduce bench``: where the ranks run.
 
 The driver starts one set of load processes per world size; each hosts a
-slice of the ranks for *every* contender, so contenders can be interleaved
-round by round on the same processes. The driver sends ``("round", contender,
+slice of the ranks of every contender that shares processes (all but
+``OWN_PROCESSES`` of :mod:`lossreduce.server.bench.run`), so contenders can be
+interleaved round by round on the same processes. The driver sends ``("round", contender,
 step)`` over a pipe; the process runs its ranks' contributions, stamps the
 start and end with ``time.perf_counter_ns`` (CLOCK_MONOTONIC, comparable
 across processes) and the process's CPU time around them, checks the sums

@@ -124,6 +124,22 @@ def targets(
     scale = [hierarchical_world_size] if hierarchical_world_size else []
     return [
         _relative(
+            "N=1,8: client CPU per round per rank, coordinator-stream (shipped client) "
+            "<= 1.2x bare-stream",
+            by_key=by_key,
+            world_sizes=[n for n in (1, 8) if n in sizes],
+            other="bare-stream",
+            limit=1.2,
+            metric="client_cpu_us_per_rank",
+        ),
+        _relative(
+            "N=8: coordinator-stream (shipped client) p50 <= 1.15x bare-stream p50",
+            by_key=by_key,
+            world_sizes=[n for n in (8,) if n in sizes],
+            other="bare-stream",
+            limit=1.15,
+        ),
+        _relative(
             "N=256: coordinator server CPU per contribution <= 1.15x bare-echo's per message",
             by_key=by_key,
             world_sizes=[256],

@@ -16,9 +16,15 @@ from lossreduce.server.bench.hosts import HIERARCHICAL, HostPlan, HostPool, spli
 from lossreduce.server.bench.report import Skipped
 from lossreduce.server.bench.stats import ContenderResult, round_latency_ns, summarize
 
-__all__ = ["CpuReader", "Placement", "WorldRun", "place", "run_world", "settle"]
+__all__ = ["OWN_PROCESSES", "CpuReader", "Placement", "WorldRun", "place", "run_world", "settle"]
 
 CpuReader = Callable[[], int]
+
+OWN_PROCESSES = ("gloo", "ray-actor")
+"""Contenders whose ranks get load processes of their own. Ray's core worker
+and gloo's transport keep threads running in every process that joins them;
+in a shared load process that background CPU would be charged to every other
+contender's client CPU, most to the one with the longest rounds."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +57,12 @@ def place(
     and is skipped beyond. The Ray contender's ranks share at most
     ``ray_processes`` processes, each a Ray driver. The hierarchical
     contender's nodes (``ranks_per_node`` consecutive ranks and their
-    aggregator) are never split across processes.
+    aggregator) are never split across processes. Every contender but those in
+    :data:`OWN_PROCESSES` shares the same load processes.
     """
     simulated = world_size > max_processes
     rank_processes = min(load_processes if simulated else world_size, world_size)
     gloo_fits = world_size <= gloo_max_processes
-    processes = rank_processes
-    if "gloo" in contenders and gloo_fits:
-        processes = max(processes, world_size)
     blocks = split_ranks(world_size, rank_processes)
     by: dict[str, list[tuple[int, ...]]] = {}
     skipped: list[Skipped] = []
@@ -92,11 +96,16 @@ def place(
                 tuple(range(b[0] * ranks_per_node, (b[-1] + 1) * ranks_per_node))
                 for b in node_blocks
             ]
-            processes = max(processes, len(node_blocks))
         elif name == "ray-actor":
             by[name] = split_ranks(world_size, min(ray_processes, rank_processes))
         else:
             by[name] = blocks
+    # Shared load processes first, then those of the contenders kept apart.
+    processes = max((len(by[n]) for n in by if n not in OWN_PROCESSES), default=0)
+    for name in OWN_PROCESSES:
+        if name in by:
+            by[name] = [() for _ in range(processes)] + by[name]
+            processes = len(by[name])
     by = {name: _padded(blocks_of, processes) for name, blocks_of in by.items()}
     return Placement(processes, simulated, by, skipped)
 

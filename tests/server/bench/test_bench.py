@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from lossreduce.server.bench.cli import PROG, QUICK_DEFAULTS, BenchSettings, build_parser, main
 from lossreduce.server.bench.e2e import abba, step_seconds
-from lossreduce.server.bench.hosts import CONTENDERS, split_ranks
+from lossreduce.server.bench.hosts import CONTENDERS, HIERARCHICAL, split_ranks
 from lossreduce.server.bench.report import format_table, ratios, targets
 from lossreduce.server.bench.run import place
-from lossreduce.server.bench.stats import percentile, round_latency_ns, summarize
+from lossreduce.server.bench.stats import ContenderResult, percentile, round_latency_ns, summarize
 from lossreduce.server.bench.workload import (
     TERMS,
     WrongSumError,
@@ -96,9 +96,13 @@ def test_place_simulates_above_max_processes_and_skips_gloo_beyond_its_limit():
         ranks_per_node=8,
     )
     assert not small.simulated
-    assert small.processes == 8
-    assert small.ranks_by_contender["coordinator-stream"] == [(r,) for r in range(8)]
-    assert [b for b in small.ranks_by_contender["ray-actor"] if b] == split_ranks(8, 4)
+    # 8 shared rank processes, then 8 for gloo and 4 for Ray of their own.
+    assert small.processes == 8 + 8 + 4
+    by = small.ranks_by_contender
+    assert by["coordinator-stream"] == [(r,) for r in range(8)] + [()] * 12
+    assert by["bare-stream"] == by["tcpstore"] == by["coordinator-stream"]
+    assert by["gloo"] == [()] * 8 + [(r,) for r in range(8)] + [()] * 4
+    assert by["ray-actor"] == [()] * 16 + split_ranks(8, 4)
 
     middle = place(
         64,
@@ -110,9 +114,9 @@ def test_place_simulates_above_max_processes_and_skips_gloo_beyond_its_limit():
         ranks_per_node=8,
     )
     assert middle.simulated
-    assert middle.processes == 64  # gloo still gets a process per rank
+    assert middle.processes == 4 + 64 + 4  # gloo still gets a process per rank
     assert [b for b in middle.ranks_by_contender["tcpstore"] if b] == split_ranks(64, 4)
-    assert middle.ranks_by_contender["gloo"] == [(r,) for r in range(64)]
+    assert [b for b in middle.ranks_by_contender["gloo"] if b] == [(r,) for r in range(64)]
 
     big = place(
         256,
@@ -123,7 +127,7 @@ def test_place_simulates_above_max_processes_and_skips_gloo_beyond_its_limit():
         ray_processes=4,
         ranks_per_node=8,
     )
-    assert big.processes == 4
+    assert big.processes == 4 + 4
     assert "gloo" not in big.ranks_by_contender
     assert [s.contender for s in big.skipped] == ["gloo"]
     assert "N=256 exceeds the 64 processes" in big.skipped[0].reason
@@ -201,6 +205,35 @@ def test_ratios_and_targets_compare_the_stream_to_each_contender():
     assert "| 8 | tcpstore | 1.500 |" in table
 
 
+def test_client_targets_compare_the_shipped_client_to_the_raw_stub():
+    def rank_result(contender: str, n: int, p50_ms: float, client_us: float) -> ContenderResult:
+        return summarize(
+            contender,
+            n,
+            [int(p50_ms * 1e6)],
+            server_cpu_ns=None,
+            client_cpu_ns=int(client_us * 1e3 * n),
+            contributions_per_round=n,
+            rank_processes=n,
+            simulated=False,
+        )
+
+    results = [
+        rank_result("coordinator-stream", 1, 1.0, 500.0),
+        rank_result("bare-stream", 1, 0.9, 450.0),
+        rank_result("coordinator-stream", 8, 5.0, 650.0),
+        rank_result("bare-stream", 8, 4.0, 500.0),
+    ]
+    by_name = {t.name.split(":")[0]: t for t in targets(results)}
+    cpu = by_name["N=1,8"]
+    assert cpu.measured == 650.0 / 500.0  # N=8 is the worse of the two
+    assert cpu.met is False
+    assert "N=1: 500.000 / 450.000 = 1.11x" in cpu.detail
+    p50 = by_name["N=8"]
+    assert p50.measured == 5.0 / 4.0
+    assert p50.met is False
+
+
 def test_workload_sums_are_exact_and_checked():
     expected = expected_sums(5, 3)
     for t in range(len(TERMS)):
@@ -215,16 +248,16 @@ def test_workload_sums_are_exact_and_checked():
 def test_settings_reject_unknown_contenders_and_tiny_worlds():
     with pytest.raises(ValueError, match="unknown contenders"):
         BenchSettings(contenders=("mpi",))
-    with pytest.raises(ValueError, match=">= 2"):
-        BenchSettings(world_sizes=(1, 4))
+    with pytest.raises(ValueError, match=">= 1"):
+        BenchSettings(world_sizes=(0, 4))
 
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
         (
-            ["--world-sizes", "1"],
-            "--world-sizes 1: world sizes [1] must be non-empty and each >= 2",
+            ["--world-sizes", "0"],
+            "--world-sizes 0: world sizes [0] must be non-empty and each >= 1",
         ),
         (["--world-sizes", "2,x"], "--world-sizes 2,x: Input should be a valid integer"),
         (["--contenders", "mpi"], "--contenders mpi: unknown contenders ['mpi']"),
@@ -245,7 +278,7 @@ def test_every_setting_is_a_flag_and_quick_only_changes_defaults() -> None:
         assert field.description, name
         assert flag_name(name) in help_text
     quick = parse_settings(BenchSettings, parser.parse_args(["--quick"]), defaults=QUICK_DEFAULTS)
-    assert (quick.world_sizes, quick.rounds) == ((2, 8, 64, 256), 30)
+    assert (quick.world_sizes, quick.rounds) == ((1, 2, 8, 64, 256), 30)
     given = parser.parse_args(["--quick", "--rounds", "7", "--world-sizes", "4,2,4"])
     mixed = parse_settings(BenchSettings, given, defaults=QUICK_DEFAULTS)
     assert (mixed.world_sizes, mixed.rounds, mixed.warmup_rounds) == ((2, 4), 7, 3)
@@ -263,7 +296,7 @@ def test_quick_bench_smoke(tmp_path: Path):
             "bench",
             "--quick",
             "--world-sizes",
-            "2,4",
+            "1,4",
             "--rounds",
             "5",
             "--warmup-rounds",
@@ -286,7 +319,9 @@ def test_quick_bench_smoke(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads((out / "bench.json").read_text())
     measured = {(r["contender"], r["world_size"]) for r in payload["results"]}
-    assert measured == {(c, n) for c in CONTENDERS for n in (2, 4)} | {
+    # N=1 is not a whole number of nodes of 2 ranks: the hierarchical pair skips it.
+    flat = [c for c in CONTENDERS if c not in HIERARCHICAL]
+    assert measured == {(c, 1) for c in flat} | {(c, 4) for c in CONTENDERS} | {
         ("coordinator-hierarchical", 6),
         ("hierarchical-echo", 6),
     }
