@@ -56,6 +56,7 @@ from lossreduce.errors import (
     ConflictingContributionError,
     InvalidPartialError,
     LossReduceError,
+    UsageError,
     describe_round,
 )
 from lossreduce.v2 import coordinator_pb2 as pb
@@ -262,9 +263,17 @@ class NodeAggregator:
         observer: AggregatorObserver | None = None,
     ) -> None:
         if local_ranks is not None and not local_ranks:
-            raise ValueError(f"job {job!r} group {group!r}: a node aggregator needs local ranks")
+            raise UsageError(
+                f"job {job!r} group {group!r}: a node aggregator needs local ranks",
+                job=job,
+                group=group,
+            )
         if world_size < 1:
-            raise ValueError(f"job {job!r} group {group!r}: world_size={world_size} must be >= 1")
+            raise UsageError(
+                f"job {job!r} group {group!r}: world_size={world_size} must be >= 1",
+                job=job,
+                group=group,
+            )
         self.target = target
         self.job = job
         self.group = group
@@ -335,9 +344,12 @@ class NodeAggregator:
     def local_rank(self, rank: int) -> LocalRank:
         """Local rank ``rank``'s view of this node, with the client's ``reduce``."""
         if not self.serves(rank):
-            raise ValueError(
+            raise UsageError(
                 f"job {self.job!r} group {self.group!r}: rank {rank} is not a local rank of "
-                f"this node {self.local_ranks}"
+                f"this node {self.local_ranks}",
+                job=self.job,
+                group=self.group,
+                rank=rank,
             )
         return LocalRank(self, rank)
 

@@ -63,8 +63,18 @@ class GRPOReductionSettings(BaseSettings):
         description=(
             "When an optimizer step has no active unit on any process (e.g. every completion "
             "masked as truncated): 'raise' stops training with EmptyNormalizerError on every "
-            "process; 'skip' runs no forward, backward or optimizer update for that step on "
-            "any process and leaves weights and optimizer state untouched."
+            "process; 'skip' runs no backward or optimizer update for that step on any "
+            "process and leaves weights and optimizer state untouched (a forward already run "
+            "while the round was in flight is discarded)."
+        ),
+    )
+    overlap: bool = Field(
+        default=True,
+        description=(
+            "Run an optimizer step's first forward while its normalizer round is in flight "
+            "and wait before the backward, where that is exact (the policy-gradient term "
+            "alone: beta=0, no entropy bonus, no router aux loss; and a first micro-step "
+            "that leaves no DDP synchronization pending). False: wait before the forward."
         ),
     )
     job: str = Field(

@@ -18,10 +18,27 @@ and gradient-accumulation micro-steps. This trainer keeps TRL's per-token loss
    optimizer step is the formula of docs/reduction-semantics.md over that
    step's completions however TRL split them.
 
+The rounds of every optimizer step of a generation batch start together,
+right after the split, and each is waited for only when its step first
+needs it. Where the policy gradient is the only term (``beta == 0``, no
+entropy bonus, no router aux loss) and the micro-step's forward leaves no
+gradient synchronization pending (more than one accumulation micro-step, or
+one process), the first micro-step runs its forward with a divisor of 1 and
+waits for the round after it, before the backward, then divides by the
+global normalizer: the same float operations as dividing inside TRL's loss,
+so the result is bit-identical, and the round hides behind the forward. With
+several terms the divisors sit inside TRL's loss, so the wait comes first.
+Either way ``lossreduce/round_latency_s``, ``lossreduce/normalizer_wait_s``
+(time actually blocked) and ``lossreduce/overlapped`` (1 where the forward
+ran during the round) are logged per optimizer step.
+
 An empty step (a global normalizer of 0) raises the same
 :class:`~lossreduce.errors.EmptyNormalizerError` on every process, or with
-``on_empty_step='skip'`` is skipped on every process: no forward, no backward,
-no gradients, so the optimizer leaves weights and its state untouched.
+``on_empty_step='skip'`` is skipped on every process: no backward, no
+gradients, so the optimizer leaves weights and its state untouched (a
+forward already run while the round was in flight is discarded; the step's
+later micro-steps run none). A failed round raises on every process before
+any backward.
 
 Needs ``pip install 'lossreduce[trl]'``; importing :mod:`lossreduce.trainer_worker`
 never imports TRL, only this module does.
@@ -29,8 +46,9 @@ never imports TRL, only this module does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +61,7 @@ from lossreduce.trainer_worker.normalizers import (
     CoordinatorNormalizer,
     GlobalNormalizer,
     LocalNormalizer,
+    NormalizerHandle,
     TorchDistributedNormalizer,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
@@ -95,11 +114,36 @@ def check_trl_version(version: str) -> None:
 check_trl_version(trl.__version__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Window:
-    """One optimizer step's global normalizers by term (None: the step is skipped)."""
+    """One optimizer step's normalizer round, started when its batch was split."""
 
-    normalizers: dict[str, float] | None
+    handle: NormalizerHandle
+    on_empty_step: str
+    answered: bool = False
+    normalizers: dict[str, float] | None = None
+    """The global normalizers by term once answered (None: the step is skipped)."""
+    wait_s: float = 0.0
+    """Seconds this process was blocked waiting for the answer."""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def resolve(self) -> dict[str, float] | None:
+        """Wait for the round (once); its normalizers, None for a skipped step, or
+        the round's error (the same on every process)."""
+        if not self.answered:
+            started = time.perf_counter()
+            try:
+                totals = self.handle.wait()
+            except EmptyNormalizerError:
+                if self.on_empty_step == "raise":
+                    raise
+                self.normalizers = None
+            else:
+                self.normalizers = {t: float(n) for t, n in totals.items()}
+            finally:
+                self.wait_s = time.perf_counter() - started
+            self.answered = True
+        return self.normalizers
 
 
 @dataclass(frozen=True)
@@ -322,8 +366,9 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             tokens=table[:, 2],
         )
         plan = plan_rows(self.policy_reduction, rows, self.accelerator.process_index, n_windows)
+        # Every step's round in flight at once; each is waited for when needed.
         windows = [
-            self._reduce_window(w, plan.policy_partials[w], plan.token_partials[w])
+            self._start_window(w, plan.policy_partials[w], plan.token_partials[w])
             for w in range(n_windows)
         ]
         offset = 0
@@ -335,7 +380,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             )
             offset += m.size(0)
 
-    def _reduce_window(self, window: int, policy: float, tokens: float) -> _Window:
+    def _start_window(self, window: int, policy: float, tokens: float) -> _Window:
         step = int(self.state.global_step) + window
         partials = {POLICY_TERM: policy}
         if self.beta != 0.0:
@@ -343,20 +388,12 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         if self._entropy_bonus_enabled:
             partials[ENTROPY_TERM] = tokens
         device = self.accelerator.device
-        try:
-            totals = self.normalizer().reduce(
-                step,
-                {
-                    t: torch.tensor(v, dtype=torch.float64, device=device)
-                    for t, v in partials.items()
-                },
-                self.contracts,
-            )
-        except EmptyNormalizerError:
-            if self.reduction_settings.on_empty_step == "raise":
-                raise
-            return _Window(normalizers=None)
-        return _Window(normalizers={t: float(n) for t, n in totals.items()})
+        handle = self.normalizer().start(
+            step,
+            {t: torch.tensor(v, dtype=torch.float64, device=device) for t, v in partials.items()},
+            self.contracts,
+        )
+        return _Window(handle, self.reduction_settings.on_empty_step)
 
     # -- the loss -------------------------------------------------------------------
 
@@ -367,28 +404,71 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             loss: Tensor = super()._compute_loss(model, inputs)
             return loss
         inputs = {k: v for k, v in inputs.items() if k not in (_PLAN_KEY, _GROUP_KEY)}
-        normalizers = micro.window.normalizers
+        window = micro.window
+        deferred: Tensor | None = None
+        if not window.answered and self._may_defer(micro):
+            # The forward runs while the round is in flight; divided below.
+            deferred = self._scaled_loss(model, inputs, micro.weights, None)
+        normalizers = window.resolve()
         if micro.first:
-            metrics = self._metrics["train"]
-            metrics["lossreduce/skipped"].append(float(normalizers is None))
-            for term, value in (normalizers or {}).items():
-                metrics[f"lossreduce/normalizer/{term}"].append(value)
+            self._log_window(window, overlapped=deferred is not None)
         if normalizers is None:
             if micro.first:
                 self.skipped_steps += 1
-            # No forward: no parameter gets a gradient, so the optimizer step
-            # that follows changes neither the weights nor the optimizer state.
+            # No backward through any forward: no parameter gets a gradient, so the
+            # optimizer step that follows changes neither the weights nor its state.
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+        if deferred is not None:
+            return deferred / self._divisor(normalizers[POLICY_TERM], deferred.device)
         return self._scaled_loss(model, inputs, micro.weights, normalizers)
+
+    def _may_defer(self, micro: _MicroStep) -> bool:
+        """Whether this micro-step may run its forward before its round is answered.
+
+        Only the policy-gradient term may be divided after the forward (every other
+        term's divisor sits inside TRL's loss), and only a forward that leaves no
+        gradient synchronization pending may be discarded when the step is skipped
+        (DDP expects a backward after a synchronizing forward).
+        """
+        single_term = (
+            self.beta == 0.0
+            and not self._entropy_bonus_enabled
+            and not getattr(self, "aux_loss_enabled", False)
+        )
+        no_sync_pending = (
+            self.current_gradient_accumulation_steps > 1 or self.accelerator.num_processes == 1
+        )
+        return self.reduction_settings.overlap and single_term and micro.first and no_sync_pending
+
+    def _divisor(self, n_pg: float, device: torch.device) -> Tensor:
+        """TRL's token-sum divisor for ``num_items_in_batch = n_pg * spg / GA``, in
+        the float operations TRL's ``dapo`` branch uses (train mode)."""
+        ga: int = self.current_gradient_accumulation_steps
+        spg: int = self.args.steps_per_generation
+        processes: int = self.accelerator.num_processes
+        num_items = torch.tensor(n_pg * spg / ga, dtype=torch.float64, device=device)
+        return num_items.clamp(min=1.0) / processes * ga / spg
+
+    def _log_window(self, window: _Window, *, overlapped: bool) -> None:
+        metrics = self._metrics["train"]
+        metrics["lossreduce/skipped"].append(float(window.normalizers is None))
+        metrics["lossreduce/overlapped"].append(float(overlapped))
+        for term, value in (window.normalizers or {}).items():
+            metrics[f"lossreduce/normalizer/{term}"].append(value)
+        latency = window.handle.latency_s
+        metrics["lossreduce/round_latency_s"].append(latency if latency is not None else 0.0)
+        metrics["lossreduce/normalizer_wait_s"].append(window.wait_s)
 
     def _scaled_loss(
         self,
         model: Any,
         inputs: dict[str, Any],
         weights: Tensor,
-        normalizers: dict[str, float],
+        normalizers: dict[str, float] | None,
     ) -> Tensor:
-        """TRL's loss with the division replaced (see the module docstring).
+        """TRL's loss with the division replaced (see the module docstring);
+        ``normalizers=None``: the policy-gradient-only loss with a divisor of
+        exactly 1, to be divided by :meth:`_divisor` once the round is answered.
 
         TRL's token-sum branch computes ``sum((pg + beta * kl) * m) / D`` with
         ``D = num_items_in_batch / P * GA / steps_per_generation`` and subtracts
@@ -404,7 +484,10 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         processes = self.accelerator.num_processes
         ga = self.current_gradient_accumulation_steps
         spg = self.args.steps_per_generation
-        n_pg = normalizers[POLICY_TERM]
+        # Deferred: N_pg = P makes num_items_in_batch = P * spg / GA an integer
+        # (spg is a multiple of GA), so TRL's D = ((num_items / P) * GA) / spg is
+        # exactly 1.0 and dividing by it changes no bit.
+        n_pg = normalizers[POLICY_TERM] if normalizers is not None else float(processes)
         advantages = inputs["advantages"]
         scale = weights.to(device=advantages.device, dtype=advantages.dtype)  # [B]
         inputs["advantages"] = advantages * (scale if advantages.dim() == 1 else scale[:, None])
@@ -416,13 +499,18 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         try:
             if self.loss_type in _CLIPPED:
                 self.loss_type = "dapo"
-            if self.beta != 0.0:
-                self.beta = saved[1] * n_pg / normalizers[KL_TERM]
-            if self._entropy_bonus_enabled:
-                local_tokens = max(float(_loss_mask(inputs).sum()), 1.0)
-                self.entropy_coef = (
-                    saved[2] * processes * ga * local_tokens / normalizers[ENTROPY_TERM]
-                )
+            if normalizers is None:
+                # _may_defer admits the policy-gradient term alone.
+                assert self.beta == 0.0, "a deferred loss has no KL term"
+                assert not self._entropy_bonus_enabled, "a deferred loss has no entropy term"
+            else:
+                if self.beta != 0.0:
+                    self.beta = saved[1] * n_pg / normalizers[KL_TERM]
+                if self._entropy_bonus_enabled:
+                    local_tokens = max(float(_loss_mask(inputs).sum()), 1.0)
+                    self.entropy_coef = (
+                        saved[2] * processes * ga * local_tokens / normalizers[ENTROPY_TERM]
+                    )
             loss: Tensor = super()._compute_loss(model, inputs)
         finally:
             self.loss_type, self.beta, self.entropy_coef = saved

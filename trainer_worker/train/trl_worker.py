@@ -40,7 +40,6 @@ from lossreduce.client import ClientSettings
 from lossreduce.ports import free_port
 from lossreduce.trainer_worker.integrations import GRPOReductionSettings, NormalizerBackend
 from lossreduce.trainer_worker.integrations.trl import LossReduceGRPOTrainer
-from lossreduce.trainer_worker.normalizers import GlobalNormalizer
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.train.outputs import StepRecord
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
@@ -50,7 +49,7 @@ from lossreduce.trainer_worker.train.trl_task import (
     save_tiny_qwen2,
     task_of,
 )
-from lossreduce.trainer_worker.train.worker import REDUCTION_GROUP, TimedNormalizer
+from lossreduce.trainer_worker.train.worker import REDUCTION_GROUP
 
 __all__ = [
     "Rollout",
@@ -128,8 +127,8 @@ def grpo_config(
     )
 
 
-class _TimedTrainer(LossReduceGRPOTrainer):
-    """Times every normalizer round; with ``record`` keeps the completions it trained on."""
+class _RecordingTrainer(LossReduceGRPOTrainer):
+    """With ``record``, keeps the completions it trained on."""
 
     def __init__(
         self,
@@ -154,11 +153,6 @@ class _TimedTrainer(LossReduceGRPOTrainer):
         )
         self.record = record
         self.rollouts: list[Rollout] = []
-        self.timed: TimedNormalizer | None = None
-
-    def _make_normalizer(self) -> GlobalNormalizer:
-        self.timed = TimedNormalizer(super()._make_normalizer())
-        return self.timed
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output: dict[str, Any] = super()._generate_and_score_completions(inputs)
@@ -204,7 +198,7 @@ def build_trainer(
     steps: int,
     pad_with_eos: bool,
     replay: list[Rollout] | None = None,
-) -> _TimedTrainer:
+) -> _RecordingTrainer:
     """The GRPO trainer of one process (``replay``: the one-process ``--verify`` run)."""
     # The one-process replay trains on the whole batch, in the same micro-steps.
     processes = world_size if replay is None else 1
@@ -216,7 +210,7 @@ def build_trainer(
     rollout: Callable[..., dict[str, Any]] | None = (
         None if replay is None else _Replay(replay, tokenizer)
     )
-    trainer = _TimedTrainer(
+    trainer = _RecordingTrainer(
         str(model_path),
         DigitReward(task_of(settings)),
         args=config,
@@ -281,7 +275,7 @@ class StepReporter(TrainerCallback):  # type: ignore[misc]
     """Rank 0: a :class:`StepRecord` per optimizer step into the driver's queue;
     every rank: the gradients of the first step under ``--verify``."""
 
-    def __init__(self, trainer: _TimedTrainer, queue: Any, capture: bool) -> None:
+    def __init__(self, trainer: _RecordingTrainer, queue: Any, capture: bool) -> None:
         self.trainer = trainer
         self.queue = queue
         self.capture = capture
@@ -319,14 +313,15 @@ class StepReporter(TrainerCallback):  # type: ignore[misc]
         responses = int(
             args.per_device_train_batch_size * args.world_size * args.steps_per_generation
         )
-        timed = self.trainer.timed
+        # Rank 0's own round timing, as the trainer logged it for this step.
         self.queue.put(
             StepRecord(
                 step=int(state.global_step) - 1,
                 reward=float(logs["reward"]),
                 losses={} if skipped else {"total": float(logs.get("loss", 0.0))},
                 normalizers={} if skipped else normalizers,
-                round_latency_s=timed.last_seconds if timed is not None else 0.0,
+                round_latency_s=float(logs.get("lossreduce/round_latency_s", 0.0)),
+                normalizer_wait_s=float(logs.get("lossreduce/normalizer_wait_s", 0.0)),
                 step_seconds=self._seconds,
                 skipped=skipped,
                 responses=responses,

@@ -79,6 +79,18 @@ def reuse_case() -> Case:
     return Case(name="reuse", mode="prompt_mean", num_iterations=2, max_steps=2)
 
 
+def overlap_cases() -> list[Case]:
+    """The policy-gradient term alone (beta=0, no entropy): the first forward of a
+    step may run while its round is in flight; the same run without that."""
+    pg_only: dict[str, Any] = {"mode": "prompt_mean", "beta": 0.0, "entropy_coef": 0.0}
+    return [
+        Case(name="overlap", **pg_only),
+        Case(name="no-overlap", overlap=False, **pg_only),
+        empty_case("overlap-empty-raise", on_empty_step="raise", **pg_only),
+        empty_case("overlap-empty-skip", on_empty_step="skip", **pg_only),
+    ]
+
+
 def cases_for(layout: str, target: str) -> list[Case]:
     if layout == "1x1":
         return [*trl_cases(), reuse_case()] + [
@@ -97,6 +109,7 @@ def cases_for(layout: str, target: str) -> list[Case]:
             Case(
                 name="coordinator", mode="prompt_mean", normalizer="coordinator", coordinator=target
             ),
+            *overlap_cases(),
             empty_case(
                 "coordinator-empty-skip",
                 mode="prompt_mean",
@@ -320,3 +333,49 @@ def test_coordinator_backend_gives_the_torch_backends_update(
         # Both backends sum the same partials exactly into the same normalizers;
         # only TRL's shuffle into micro-steps may reorder float sums.
         assert relative(got["update"], want["update"]) <= 1e-6
+
+
+# -- the round behind the first forward ---------------------------------------------------
+
+
+def test_a_forward_run_during_the_round_gives_the_bit_identical_update(
+    results: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    overlapped = case_results(results, "2x2", "overlap")
+    waited = case_results(results, "2x2", "no-overlap")
+    for got, want in zip(overlapped, waited, strict=True):
+        assert [log["lossreduce/overlapped"] for log in got["logs"]] == [1.0]
+        assert [log["lossreduce/overlapped"] for log in want["logs"]] == [0.0]
+        for log in got["logs"] + want["logs"]:
+            assert 0.0 <= log["lossreduce/normalizer_wait_s"] < 60.0
+            assert 0.0 < log["lossreduce/round_latency_s"] < 60.0
+        # The loss divided after the forward by TRL's own divisor: the same floats.
+        assert got["losses"] == want["losses"]
+        for name, update in got["update"].items():
+            assert torch.equal(update, want["update"][name]), name
+        assert max(u.abs().max().item() for u in got["update"].values()) > 0
+
+
+def test_an_empty_step_found_after_the_forward_raises_before_any_backward(
+    results: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    for result in results("2x2"):
+        error = result["overlap-empty-raise"].get("error")
+        assert error is not None, result
+        assert error["type"] == "EmptyNormalizerError", error
+        assert (error["step"], tuple(error["terms"])) == (1, ("pg",))
+        assert len(result["overlap-empty-raise"]["params"]) == 1  # step 2 never stepped
+
+
+def test_an_empty_step_found_after_the_forward_is_skipped_without_a_trace(
+    results: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    for result in case_results(results, "2x2", "overlap-empty-skip"):
+        assert result["skipped_steps"] == 1
+        assert [log["lossreduce/overlapped"] for log in result["logs"]] == [1.0, 1.0]
+        (first, second), (adam1, adam2) = result["params"], result["optimizer"]
+        for name in first:
+            assert torch.equal(first[name], second[name]), name
+        for key, state in adam1.items():
+            for field, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(adam2[key][field]))

@@ -50,6 +50,7 @@ class Case:
     max_steps: int = 1
     num_iterations: int = 1
     empty_from_step: int | None = None
+    overlap: bool = True
 
 
 def _config(case: Case, layout: Layout, out: Path) -> Any:
@@ -108,6 +109,7 @@ def make_trainer(case: Case, layout: Layout, model_dir: Path, out: Path) -> Any:
                 "normalizer": case.normalizer,
                 "coordinator": case.coordinator,
                 "on_empty_step": case.on_empty_step,
+                "overlap": case.overlap,
                 "job": f"test-{case.name}",
             }
         )
@@ -186,6 +188,7 @@ def run_case(case: Case, layout: Layout, model_dir: Path, out: Path) -> dict[str
     result["rows"] = _window_rows(trainer, layout)
     result["skipped_steps"] = getattr(trainer, "skipped_steps", None)
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result["logs"] = [h for h in trainer.state.log_history if "loss" in h]
     close = getattr(trainer, "close", None)
     if close is not None:
         close()
