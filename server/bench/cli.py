@@ -369,7 +369,8 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             f"ranks run one per process up to N={settings.max_processes}; above that they are "
             f"simulated as asyncio tasks over {settings.load_processes} processes; gloo always "
             f"runs one process per rank (up to N={settings.gloo_max_processes}); the Ray "
-            f"contender's ranks share at most {settings.ray_processes} Ray driver processes",
+            f"contender's ranks share at most {settings.ray_processes} Ray driver processes; "
+            "gloo's and Ray's load processes are their own, the other contenders share theirs",
             f"coordinator-hierarchical: nodes of {settings.ranks_per_node} ranks, each node's ranks "
             "unchanged clients of their node's agent (lossreduce agent), nodes spread over "
             f"{settings.load_processes} load processes; one upstream stream per node; its server "
@@ -382,8 +383,9 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             "echo server (answers each message at once, no round logic) with the bare-stream "
             "and hierarchical loads: grpc.aio's own floor on this machine",
             "client CPU: CPU time of the load processes (every thread) over the measured rounds "
-            "/ (rounds x ranks); in rank processes it includes the idle background threads of "
-            "the other contenders' connections",
+            "/ (rounds x ranks); it includes the idle background threads of the other "
+            "contenders' connections in the same process (not gloo's or Ray's, which have "
+            "processes of their own)",
         ],
     }
     settings.out.mkdir(parents=True, exist_ok=True)
