@@ -438,7 +438,15 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         no_sync_pending = (
             self.current_gradient_accumulation_steps > 1 or self.accelerator.num_processes == 1
         )
-        return self.reduction_settings.overlap and single_term and micro.first and no_sync_pending
+        if not (
+            self.reduction_settings.overlap and single_term and micro.first and no_sync_pending
+        ):
+            return False
+        # The placeholder divisor must be exactly 1 for the later division to be
+        # bit-exact (it is whenever steps_per_generation is a multiple of the
+        # micro-steps of this window; a short last window of an epoch may not be).
+        placeholder = self._divisor(float(self.accelerator.num_processes), torch.device("cpu"))
+        return float(placeholder) == 1.0
 
     def _divisor(self, n_pg: float, device: torch.device) -> Tensor:
         """TRL's token-sum divisor for ``num_items_in_batch = n_pg * spg / GA``, in
