@@ -12,6 +12,7 @@ left behind and tries again.
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +25,8 @@ __all__ = ["local_ray", "reap_ray_processes"]
 START_ATTEMPTS = 3
 """Starts tried before a slow machine's failure is the test's failure."""
 
-_RAY_PACKAGE = str(Path(ray.__file__).parent)
+_RAY_PACKAGE = str(Path(ray.__file__).parent) + os.sep
+"""Ray's package folder with its separator, so a sibling such as ``raydp`` does not match."""
 
 
 def reap_ray_processes() -> int:

@@ -10,7 +10,7 @@ from tests.ray_support import _RAY_PACKAGE, reap_ray_processes
 
 def test_reaps_processes_spawned_from_rays_package_and_spares_others() -> None:
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    ray_like = subprocess.Popen([*sleep, f"{_RAY_PACKAGE}/core/src/ray/raylet/raylet"])
+    ray_like = subprocess.Popen([*sleep, f"{_RAY_PACKAGE}core/src/ray/raylet/raylet"])
     other = subprocess.Popen(sleep)
     try:
         assert reap_ray_processes() >= 1

@@ -73,8 +73,9 @@ class GRPOReductionSettings(BaseSettings):
         description=(
             "Run an optimizer step's first forward while its normalizer round is in flight "
             "and wait before the backward, where that is exact (the policy-gradient term "
-            "alone: beta=0, no entropy bonus, no router aux loss; and a first micro-step "
-            "that leaves no DDP synchronization pending). False: wait before the forward."
+            "alone: beta=0, no entropy bonus, no router aux loss; a first micro-step "
+            "that leaves no DDP synchronization pending; a round not answered at its start). "
+            "False: wait before the forward."
         ),
     )
     job: str = Field(

@@ -20,10 +20,12 @@ and gradient-accumulation micro-steps. This trainer keeps TRL's per-token loss
 
 The rounds of every optimizer step of a generation batch start together,
 right after the split, and each is waited for only when its step first
-needs it. Where the policy gradient is the only term (``beta == 0``, no
-entropy bonus, no router aux loss) and the micro-step's forward leaves no
-gradient synchronization pending (more than one accumulation micro-step, or
-one process), the first micro-step runs its forward with a divisor of 1 and
+needs it; every micro-step lets the rounds still in flight progress
+without blocking. Where the policy gradient is the only term (``beta == 0``,
+no entropy bonus, no router aux loss), the micro-step's forward leaves no
+gradient synchronization pending (more than one accumulation micro-step
+without ``sync_each_batch``, or one process) and the round was not answered
+at its start, the first micro-step runs its forward with a divisor of 1 and
 waits for the round after it, before the backward, then divides by the
 global normalizer: the same float operations as dividing inside TRL's loss,
 so the result is bit-identical, and the round hides behind the forward. With
@@ -38,7 +40,8 @@ An empty step (a global normalizer of 0) raises the same
 gradients, so the optimizer leaves weights and its state untouched (a
 forward already run while the round was in flight is discarded; the step's
 later micro-steps run none). A failed round raises on every process before
-any backward.
+that step's backward (a later step's round may fail after earlier steps of
+the same generation batch trained).
 
 Needs ``pip install 'lossreduce[trl]'``; importing :mod:`lossreduce.trainer_worker`
 never imports TRL, only this module does.
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,6 +65,7 @@ from lossreduce.trainer_worker.normalizers import (
     GlobalNormalizer,
     LocalNormalizer,
     NormalizerHandle,
+    ReadyHandle,
     TorchDistributedNormalizer,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
@@ -125,7 +129,8 @@ class _Window:
     """The global normalizers by term once answered (None: the step is skipped)."""
     wait_s: float = 0.0
     """Seconds this process was blocked waiting for the answer."""
-    timings: dict[str, float] = field(default_factory=dict)
+    reported: bool = False
+    """Whether its round's timing was logged (a reused window logs no wait)."""
 
     def resolve(self) -> dict[str, float] | None:
         """Wait for the round (once); its normalizers, None for a skipped step, or
@@ -272,6 +277,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         self.skipped_steps = 0
         self._normalizer: GlobalNormalizer | None = None
         self._client: Any = None
+        self._open_windows: list[_Window] = []
         self.add_callback(_CloseClient(self))
 
     # -- the normalizer backend ------------------------------------------------------
@@ -302,11 +308,16 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         return TorchDistributedNormalizer(job=settings.job, group=settings.group)
 
     def close(self) -> None:
-        """Close the coordinator client, if any; the next step opens a new one."""
+        """Close the coordinator client, if any; the next step opens a new one.
+
+        Rounds of the current generation batch still in flight end with it
+        (ClientClosedError if a later ``train()`` call resumes inside that batch).
+        """
         if self._client is not None:
             self._client.close()
         self._client = None
         self._normalizer = None
+        self._open_windows = []
 
     @property
     def contracts(self) -> dict[str, str]:
@@ -367,7 +378,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         )
         plan = plan_rows(self.policy_reduction, rows, self.accelerator.process_index, n_windows)
         # Every step's round in flight at once; each is waited for when needed.
-        windows = [
+        windows = self._open_windows = [
             self._start_window(w, plan.policy_partials[w], plan.token_partials[w])
             for w in range(n_windows)
         ]
@@ -404,12 +415,17 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             loss: Tensor = super()._compute_loss(model, inputs)
             return loss
         inputs = {k: v for k, v in inputs.items() if k not in (_PLAN_KEY, _GROUP_KEY)}
+        self._poll_windows()
         window = micro.window
         deferred: Tensor | None = None
+        logged = {key: len(values) for key, values in self._metrics["train"].items()}
         if not window.answered and self._may_defer(micro):
             # The forward runs while the round is in flight; divided below.
             deferred = self._scaled_loss(model, inputs, micro.weights, None)
         normalizers = window.resolve()
+        if normalizers is None and deferred is not None:
+            # The discarded forward's own metrics go with it.
+            self._truncate_metrics(logged)
         if micro.first:
             self._log_window(window, overlapped=deferred is not None)
         if normalizers is None:
@@ -421,6 +437,22 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         if deferred is not None:
             return deferred / self._divisor(normalizers[POLICY_TERM], deferred.device)
         return self._scaled_loss(model, inputs, micro.weights, normalizers)
+
+    def _poll_windows(self) -> None:
+        """Let every round of the generation batch progress without blocking: the
+        coordinator client has no thread of its own, so its answers and retries
+        move only while someone polls or waits."""
+        for window in self._open_windows:
+            if not window.answered:
+                window.handle.done()
+
+    def _truncate_metrics(self, lengths: dict[str, int]) -> None:
+        metrics = self._metrics["train"]
+        for key in list(metrics):
+            if key in lengths:
+                del metrics[key][lengths[key] :]
+            else:
+                del metrics[key]
 
     def _may_defer(self, micro: _MicroStep) -> bool:
         """Whether this micro-step may run its forward before its round is answered.
@@ -435,11 +467,18 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             and not self._entropy_bonus_enabled
             and not getattr(self, "aux_loss_enabled", False)
         )
-        no_sync_pending = (
-            self.current_gradient_accumulation_steps > 1 or self.accelerator.num_processes == 1
+        sync_each = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+        no_sync_pending = self.accelerator.num_processes == 1 or (
+            self.current_gradient_accumulation_steps > 1 and not sync_each
         )
+        # A round answered when it started (one process) gains nothing.
+        in_flight = not isinstance(micro.window.handle, ReadyHandle)
         if not (
-            self.reduction_settings.overlap and single_term and micro.first and no_sync_pending
+            self.reduction_settings.overlap
+            and single_term
+            and micro.first
+            and no_sync_pending
+            and in_flight
         ):
             return False
         # The placeholder divisor must be exactly 1 for the later division to be
@@ -463,9 +502,11 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         metrics["lossreduce/overlapped"].append(float(overlapped))
         for term, value in (window.normalizers or {}).items():
             metrics[f"lossreduce/normalizer/{term}"].append(value)
-        latency = window.handle.latency_s
+        # A window trained on again (num_iterations > 1) ran no round this time.
+        latency = window.handle.latency_s if not window.reported else 0.0
         metrics["lossreduce/round_latency_s"].append(latency if latency is not None else 0.0)
-        metrics["lossreduce/normalizer_wait_s"].append(window.wait_s)
+        metrics["lossreduce/normalizer_wait_s"].append(0.0 if window.reported else window.wait_s)
+        window.reported = True
 
     def _scaled_loss(
         self,

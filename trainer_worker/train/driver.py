@@ -103,6 +103,8 @@ def _ray_session(settings: TrainSettings) -> Iterator[bool]:
     except Exception as err:
         # Ray raises a bare Exception when a raylet misses its 30 s registration window
         # (an overloaded machine); anything else Ray raises here is as much the run's end.
+        # What a failed local start spawned is not left running.
+        ray.shutdown()
         where = f"--address {settings.address}" if settings.address else "a local Ray cluster"
         raise TrainingFailedError(f"cannot start or join {where}: {short_error(err)}") from err
     try:

@@ -220,6 +220,11 @@ def test_reused_generations_train_the_same_whatever_the_split(
     assert len(whole["params"]) == 2
     for result in case_results(results, layout, "reuse"):
         assert relative(result["update"], whole["update"]) <= UPDATE_RTOL
+        # Only the first pass over the batch ran (and waited for) a round.
+        first, second = result["logs"]
+        assert first["lossreduce/round_latency_s"] > 0.0
+        assert second["lossreduce/round_latency_s"] == 0.0
+        assert second["lossreduce/normalizer_wait_s"] == 0.0
 
 
 # -- TRL's own loss types on the same data ----------------------------------------------
