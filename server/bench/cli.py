@@ -70,6 +70,11 @@ _PROCESS_MEMORY_BYTES = 120 * 1024 * 1024
 with a gloo group, measured about 100 MB) when sizing --max-processes."""
 
 
+_OTHER_LOAD_PROCESSES = 8
+"""Load processes beside gloo's at the largest N gloo runs at: the shared ones
+(--load-processes) and the Ray drivers (--ray-processes), at their defaults."""
+
+
 def default_max_processes() -> int:
     """How many one-rank processes this machine holds: bounded by memory, by
     the open-file limit (a gloo rank keeps a socket to every peer) and at 64."""
@@ -79,7 +84,8 @@ def default_max_processes() -> int:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         available = 8 * 1024**3
-    by_memory = int(available * 0.5) // _PROCESS_MEMORY_BYTES
+    # The shared and the Ray load processes (4 each by default) run beside gloo's.
+    by_memory = int(available * 0.5) // _PROCESS_MEMORY_BYTES - _OTHER_LOAD_PROCESSES
     return max(2, min(64, by_files, by_memory))
 
 
