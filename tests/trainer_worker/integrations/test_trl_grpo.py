@@ -110,6 +110,14 @@ def cases_for(layout: str, target: str) -> list[Case]:
                 name="coordinator", mode="prompt_mean", normalizer="coordinator", coordinator=target
             ),
             *overlap_cases(),
+            Case(
+                name="coordinator-overlap",
+                mode="prompt_mean",
+                beta=0.0,
+                entropy_coef=0.0,
+                normalizer="coordinator",
+                coordinator=target,
+            ),
             empty_case(
                 "coordinator-empty-skip",
                 mode="prompt_mean",
@@ -359,6 +367,16 @@ def test_a_forward_run_during_the_round_gives_the_bit_identical_update(
         for name, update in got["update"].items():
             assert torch.equal(update, want["update"][name]), name
         assert max(u.abs().max().item() for u in got["update"].values()) > 0
+
+
+def test_the_coordinator_backend_overlaps_too_and_gives_the_same_update(
+    results: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    coordinator = case_results(results, "2x2", "coordinator-overlap")
+    torch_backend = case_results(results, "2x2", "overlap")
+    for got, want in zip(coordinator, torch_backend, strict=True):
+        assert [log["lossreduce/overlapped"] for log in got["logs"]] == [1.0]
+        assert relative(got["update"], want["update"]) <= 1e-6
 
 
 def test_an_empty_step_found_after_the_forward_raises_before_any_backward(
