@@ -48,7 +48,7 @@ from grpc_status import rpc_status
 from pydantic import Field, field_validator
 
 from lossreduce.client._transport import call_metadata, open_channel, status_of
-from lossreduce.client.agent_metrics import AgentMetrics, AgentMetricsServer
+from lossreduce.client.agent_metrics import AgentMetrics
 from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator
 from lossreduce.contribution import Contribution
 from lossreduce.errors import (
@@ -59,6 +59,7 @@ from lossreduce.errors import (
     LossReduceError,
     describe_round,
 )
+from lossreduce.metrics_http import MetricsServer
 from lossreduce.status_codec import to_status
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
@@ -241,7 +242,7 @@ class NodeAgent:
         self._nodes: dict[tuple[str, str], NodeAggregator] = {}
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._metrics_server: AgentMetricsServer | None = None
+        self._metrics_server: MetricsServer | None = None
         self._stopping = False
         self.port = 0
 
@@ -285,8 +286,11 @@ class NodeAgent:
             raise OSError(f"cannot bind the node agent to {address} (address in use?)")
         self.port = port
         if self.settings.metrics_port is not None:
-            self._metrics_server = AgentMetricsServer(
-                self.metrics.registry, self.settings.host, self.settings.metrics_port
+            self._metrics_server = MetricsServer(
+                self.metrics.registry,
+                self.settings.host,
+                self.settings.metrics_port,
+                name="lossreduce-agent-metrics",
             )
         self._channel = open_channel(self.upstream, self.settings)
         await server.start()

@@ -9,10 +9,7 @@ or a step. ``deploy/grafana/lossreduce.json`` (row "Node agents") and
 
 from __future__ import annotations
 
-import threading
-from wsgiref.simple_server import WSGIServer
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lossreduce.client.aggregator import (
     FALLBACK_INVALID,
@@ -20,7 +17,7 @@ from lossreduce.client.aggregator import (
     FALLBACK_UNKNOWN_RANKS,
 )
 
-__all__ = ["AGENT_DURATION_BUCKETS_S", "AgentMetrics", "AgentMetricsServer"]
+__all__ = ["AGENT_DURATION_BUCKETS_S", "AgentMetrics"]
 
 AGENT_DURATION_BUCKETS_S: tuple[float, ...] = (
     # 1 ms .. 300 s (the default round timeout): a round at the agent includes its peers' wait.
@@ -126,23 +123,3 @@ class AgentMetrics:
         self.rejected.labels(job, group, "wrong_node")
         for reason in (FALLBACK_INVALID, FALLBACK_NODE_TIMEOUT, FALLBACK_UNKNOWN_RANKS):
             self.fallbacks.labels(job, group, reason)
-
-
-class AgentMetricsServer:
-    """The agent's ``/metrics`` HTTP endpoint, on its own thread."""
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        server, thread = start_http_server(port, host, registry)
-        self._server: WSGIServer = server
-        self._thread: threading.Thread = thread
-        self.host = host
-        self.port: int = server.server_port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()

@@ -13,16 +13,13 @@ number of series too.
 from __future__ import annotations
 
 import platform
-import threading
 from dataclasses import dataclass, field
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lossreduce import __version__
+from lossreduce.metrics_http import MetricsServer
 
 from .outcomes import Outcome, OutcomeKind, RejectReason, RoundKey
 
@@ -203,39 +200,3 @@ class CoordinatorMetrics:
 
     def rpc_error(self, method: str, code: grpc.StatusCode) -> None:
         self.rpc_errors.labels(method, code.name).inc()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes every few seconds would flood stderr."""
-
-
-class MetricsServer:
-    """The ``/metrics`` HTTP endpoint of one registry, on its own thread."""
-
-    # prometheus_client's start_http_server polls for shutdown every 0.5 s;
-    # coordinators start and stop often (tests, Ray actor restarts).
-    _POLL_INTERVAL_S = 0.05
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server = make_server(
-            host, port, make_wsgi_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler
-        )
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            args=(self._POLL_INTERVAL_S,),
-            name="lossreduce-metrics",
-            daemon=True,
-        )
-        self._thread.start()
-        self.host = host
-        self.port: int = self._server.server_port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()

@@ -418,8 +418,9 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         self._poll_windows()
         window = micro.window
         deferred: Tensor | None = None
-        logged = {key: len(values) for key, values in self._metrics["train"].items()}
+        logged: dict[str, int] = {}
         if not window.answered and self._may_defer(micro):
+            logged = {key: len(values) for key, values in self._metrics["train"].items()}
             # The forward runs while the round is in flight; divided below.
             deferred = self._scaled_loss(model, inputs, micro.weights, None)
         normalizers = window.resolve()
