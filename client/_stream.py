@@ -94,6 +94,7 @@ class ReduceStreamSession:
                 if not self.broken or (task is not None and task.cancelling()):
                     # The caller gave up mid-write: the stream's framing is unknown.
                     self._break(_status(code_pb2.CANCELLED, "a stream write was cancelled"))
+                    _retrieved(waiter.future)  # this caller leaves; nobody reads its error
                     raise
                 # gRPC raises CancelledError from a write on a call that _break()
                 # cancelled meanwhile; the waiter already holds StreamBrokenError.
@@ -125,9 +126,7 @@ class ReduceStreamSession:
             if not self.broken or (task is not None and task.cancelling()):
                 # gRPC cancelled the whole call with this caller's read.
                 self._break(_status(code_pb2.CANCELLED, "a stream read was cancelled"))
-                # This caller leaves; its own StreamBrokenError is nobody's to read.
-                if waiter.future.done():
-                    waiter.future.exception()
+                _retrieved(waiter.future)  # this caller leaves; nobody reads its error
                 raise
             # _break() cancelled the call meanwhile; the waiter holds why.
         finally:
@@ -184,6 +183,12 @@ class ReduceStreamSession:
             future = self._waiters.popleft().future
             if not future.done():
                 future.set_exception(StreamBrokenError(self._broken))
+
+
+def _retrieved(future: asyncio.Future[pb.ReduceResponse]) -> None:
+    """Mark a failed waiter's error as seen, so asyncio does not log it as lost."""
+    if future.done() and not future.cancelled():
+        future.exception()
 
 
 def _status(code: int, message: str) -> status_pb2.Status:

@@ -26,7 +26,6 @@ from typing import cast
 from google.rpc import code_pb2, status_pb2
 
 from lossreduce.client.types import PartialValue, RoundResult, SupportsItem
-from lossreduce.contribution import Contribution
 from lossreduce.errors import (
     ClientClosedError,
     CoordinatorUnavailableError,
@@ -125,31 +124,28 @@ def build_request(
     any value that is not a number (see :class:`Outgoing`).
     """
     contracts = contracts or {}
-    terms = [*partials, *(t for t in contracts if t not in partials)]
-    values: list[float] = []
+    # Filled in place, as Contribution.request does: this runs on every round.
+    request = pb.ReduceRequest(rank=ctx.rank, world_size=ctx.world_size)
+    key = request.round
+    key.job, key.group, key.step = ctx.job, ctx.group, ctx.step
+    add = request.partials.add
     problems: list[str] = []
     poisoned: list[str] = []
     for term, value in partials.items():
-        double = _as_double(value)
+        double = value if type(value) is float else _as_double(value)
         if isinstance(double, str):
             problems.append(_not_a_number(term, double))
             poisoned.append(term)
             double = math.nan
-        values.append(double)
-    unknown = terms[len(partials) :]
-    if unknown:
+        add(term=term, value=double, contract=contracts.get(term, ""))
+    if len(contracts) > len(partials) or any(t not in partials for t in contracts):
+        unknown = [t for t in contracts if t not in partials]
         problems.append(
             f"contracts name terms {unknown} that have no partial (terms: {list(partials)})"
         )
         poisoned.extend(unknown)
-        values.extend(math.nan for _ in unknown)
-    request = Contribution(
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        terms=tuple(terms),
-        values=tuple(values),
-        contracts=tuple(contracts.get(t, "") for t in terms),
-    ).request(ctx.key)
+        for term in unknown:
+            add(term=term, value=math.nan, contract=contracts[term])
     local_error = None
     if problems:
         local_error = ctx.error(

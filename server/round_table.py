@@ -174,7 +174,8 @@ class RoundTable:
 
     def contribute(self, key: RoundKey, c: Contribution, now: float) -> Admission:
         """Add one rank's contribution; see :class:`Admission` for the answer."""
-        group = self._jobs.get(key.job, {}).get(key.group)
+        groups = self._jobs.get(key.job)
+        group = None if groups is None else groups.get(key.group)
         limit_error = self._check_request_limits(key, c, group)
         if limit_error is not None:
             return Admission(None, limit_error)

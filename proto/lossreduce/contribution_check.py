@@ -75,7 +75,11 @@ def check_contribution(
         names_problem = _check_names(c.terms)
         if names_problem is not None:
             return names_problem
-    if all(0.0 <= v < math.inf for v in c.values):  # NaN fails every comparison
+    values = c.values
+    # The sum is NaN or infinite when any value is (a finite overflow takes the
+    # slow path below and passes it); negatives show in the minimum.
+    total = sum(values)
+    if total < math.inf and min(values) >= 0.0:  # NaN fails every comparison
         return None
     bad = [(t, v, p) for t, v in zip(c.terms, c.values, strict=True) if (p := check_partial(v))]
     if not bad:

@@ -98,6 +98,9 @@ class RankSide(Protocol):
         ...
 
 
+_OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+
+
 def _request(job: str, group: str, step: int, rank: int, world_size: int) -> pb.ReduceRequest:
     contribution = Contribution(
         rank, world_size, TERMS, partials_for(rank, step), (CONTRACT,) * len(TERMS)
@@ -236,7 +239,12 @@ class BareStreamRanks:
     def _open(self) -> None:
         """Channels and streams, on the first round: the load process's event loop
         runs only from then on."""
-        self._channels = [grpc.aio.insecure_channel(self._target) for _ in self._ranks]
+        # A connection per rank, like the shipped client's: grpc.aio otherwise puts every
+        # channel of a process to one target on one shared connection, which batches the
+        # messages of simulated ranks into fewer reads and flatters the floor.
+        self._channels = [
+            grpc.aio.insecure_channel(self._target, options=_OWN_CONNECTION) for _ in self._ranks
+        ]
         self._calls = [
             pb_grpc.ReductionCoordinatorStub(channel).ReduceStream() for channel in self._channels
         ]

@@ -4,6 +4,8 @@ deadlines, retries against a late or restarted coordinator, shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import math
 import threading
 import time
@@ -273,3 +275,27 @@ async def _two_ranks(target: str, settings: ClientSettings) -> list[dict[str, fl
             return await client.reduce(1, {"pg": 1.0 + r})
 
     return list(await asyncio.gather(rank(0), rank(1)))
+
+
+def test_calls_cancelled_mid_write_leave_no_unread_errors(coordinator) -> None:
+    # A caller cancelled while its request is being written breaks the stream;
+    # the StreamBrokenError its own waiter then holds is nobody's to read and must
+    # not be logged by asyncio as a lost exception.
+    reported: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+        async with AsyncReductionClient(
+            coordinator.target, job="cancel-write", group="g", rank=0, world_size=2
+        ) as client:
+            for step in range(10):
+                call = asyncio.create_task(client.reduce(step, {"pg": 1.0}))
+                await asyncio.sleep(0)  # the call is now waiting on its write
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+            gc.collect()
+
+    asyncio.run(main())
+    assert not [m for m in reported if "never retrieved" in m], reported
