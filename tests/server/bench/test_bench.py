@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -15,6 +16,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lossreduce.server.bench.cli import PROG, QUICK_DEFAULTS, BenchSettings, build_parser, main
+from lossreduce.server.bench.contenders import (
+    BareStreamRanks,
+    CoordinatorStreamRanks,
+    Endpoints,
+)
 from lossreduce.server.bench.e2e import abba, step_seconds
 from lossreduce.server.bench.hosts import CONTENDERS, HIERARCHICAL, split_ranks
 from lossreduce.server.bench.report import format_table, ratios, targets
@@ -349,3 +355,47 @@ def test_e2e_runs_alternate_abba_and_skip_warmup_steps(tmp_path: Path):
 def test_e2e_settings_need_steps_beyond_the_warmup():
     with pytest.raises(ValueError, match="must exceed e2e_skip_steps"):
         BenchSettings(e2e_steps=3, e2e_skip_steps=3)
+
+
+def _established_to(port: int) -> int:
+    """Established TCP connections whose remote end is ``port`` (from /proc; gRPC
+    connects over IPv6 sockets with IPv4-mapped loopback addresses)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            if remote_port == port and fields[3] == "01":  # 01: ESTABLISHED
+                count += 1
+    return count
+
+
+@pytest.mark.parametrize("contender", [BareStreamRanks, CoordinatorStreamRanks])
+def test_simulated_ranks_each_hold_their_own_connection(coordinator, contender) -> None:
+    # Ranks simulated as tasks of one process must not share a TCP connection
+    # (grpc.aio shares one between a process's channels to a target by default):
+    # a shared one batches their messages and makes the contender look cheaper.
+    world = 3
+    endpoints = Endpoints(
+        coordinator=coordinator.target,
+        store_host="",
+        store_port=0,
+        ray_address="",
+        ray_actor="",
+        job=f"conn-{contender.__name__}",
+    )
+    ranks = contender(endpoints, range(world), world)
+    port = int(coordinator.target.rsplit(":", 1)[1])
+
+    async def one_round() -> int:
+        sums = ranks.run_round(0)
+        assert not isinstance(sums, list)
+        received = await sums
+        assert len(received) == world
+        connections = _established_to(port)
+        closing = ranks.close()
+        assert closing is not None
+        await closing
+        return connections
+
+    assert asyncio.run(one_round()) == world
