@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-__all__ = ["local_ray", "reap_ray_processes"]
+__all__ = ["START_ATTEMPTS", "local_ray", "reap_ray_processes", "start_timed_out"]
 
 START_ATTEMPTS = 3
 """Starts tried before a slow machine's failure is the test's failure."""
@@ -46,7 +46,9 @@ def reap_ray_processes() -> int:
     return reaped
 
 
-def _start_timed_out(err: Exception) -> bool:
+def start_timed_out(err: Exception) -> bool:
+    """Whether ``err`` is Ray's bare Exception for a node that missed its fixed 30 s
+    registration window (a loaded machine, not a broken test)."""
     return "timed out during startup" in str(err)
 
 
@@ -73,7 +75,7 @@ def local_ray(num_cpus: int = 2, *, metrics_export_port: int | None = None) -> I
         except Exception as err:  # Ray raises a bare Exception for a slow raylet
             ray.shutdown(wait_for_processes=True)
             reap_ray_processes()
-            if attempt == START_ATTEMPTS or not _start_timed_out(err):
+            if attempt == START_ATTEMPTS or not start_timed_out(err):
                 raise
     try:
         yield

@@ -9,6 +9,7 @@ seconds rather than Ray's default of about 15.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-from tests.ray_support import reap_ray_processes
+from tests.ray_support import START_ATTEMPTS, reap_ray_processes, start_timed_out
 
 __all__ = ["NODE_CPUS", "local_cluster", "session_logs"]
 
@@ -26,9 +27,33 @@ NODE_CPUS = 2
 
 @contextmanager
 def local_cluster(nodes: int = 3) -> Iterator[Cluster]:
-    """A head plus ``nodes - 1`` raylets, joined by this process; all shut down after."""
+    """A head plus ``nodes - 1`` raylets, joined by this process; all shut down after.
+
+    A start in which a node misses Ray's fixed 30 s registration window is torn
+    down and tried again (up to ``START_ATTEMPTS``), as ``local_ray`` does.
+    """
     if ray.is_initialized():
         ray.shutdown()
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            cluster = _start_cluster(nodes)
+            break
+        except Exception as err:  # Ray's bare Exception for a slow raylet
+            if attempt == START_ATTEMPTS or not start_timed_out(err):
+                raise
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+def _start_cluster(nodes: int) -> Cluster:
+    """The head and its raylets, all registered; on failure nothing of it is left running."""
+    cluster: Cluster | None = None
     try:
         cluster = Cluster(
             initialize_head=True,
@@ -41,20 +66,17 @@ def local_cluster(nodes: int = 3) -> Iterator[Cluster]:
                 },
             },
         )
-    except Exception:  # Ray's bare Exception for a slow raylet: reap what it started
-        reap_ray_processes()
-        raise
-    try:
         for _ in range(nodes - 1):
             cluster.add_node(num_cpus=NODE_CPUS)
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-        try:
-            yield cluster
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.shutdown()
+    except Exception:
+        if cluster is not None:
+            # The start's own error is the one to report (and to retry on).
+            with contextlib.suppress(Exception):
+                cluster.shutdown()
+        reap_ray_processes()  # what a failed node start left behind
+        raise
+    return cluster
 
 
 def session_logs(cluster: Cluster) -> list[Path]:
