@@ -138,8 +138,8 @@ def build_request(
             poisoned.append(term)
             double = math.nan
         add(term=term, value=double, contract=contracts.get(term, ""))
-    if len(contracts) > len(partials) or any(t not in partials for t in contracts):
-        unknown = [t for t in contracts if t not in partials]
+    unknown = [t for t in contracts if t not in partials]
+    if unknown:
         problems.append(
             f"contracts name terms {unknown} that have no partial (terms: {list(partials)})"
         )

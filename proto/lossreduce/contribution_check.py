@@ -75,11 +75,9 @@ def check_contribution(
         names_problem = _check_names(c.terms)
         if names_problem is not None:
             return names_problem
-    values = c.values
     # The sum is NaN or infinite when any value is (a finite overflow takes the
     # slow path below and passes it); negatives show in the minimum.
-    total = sum(values)
-    if total < math.inf and min(values) >= 0.0:  # NaN fails every comparison
+    if sum(c.values) < math.inf and min(c.values) >= 0.0:  # NaN fails every comparison
         return None
     bad = [(t, v, p) for t, v in zip(c.terms, c.values, strict=True) if (p := check_partial(v))]
     if not bad:
