@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 # Extra pytest flags, e.g. `make test PYTEST_ARGS="-k round_table -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest proto install install-dev bench clean
+.PHONY: demo test lint typecheck linked-tree docs pytest proto install install-dev bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(PY)
-	$(PIP_INSTALL) -e '.[dev,trl]'
+	$(PIP_INSTALL) -e '.[dev,trl,docs]'
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
@@ -39,19 +39,28 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# mypy cannot follow setuptools' package-dir mapping: link the folders into
-# one `lossreduce` tree (build/typecheck, ignored by git) and check that.
+# mypy and griffe (the API reference) cannot follow setuptools' package-dir
+# mapping: link the folders into one `lossreduce` tree (build/typecheck,
+# ignored by git) and check or document that.
 TYPECHECK_TREE := build/typecheck/lossreduce
-typecheck: $(VENV)/.installed-dev
+linked-tree:
 	rm -rf build/typecheck && mkdir -p $(TYPECHECK_TREE)
 	for f in proto/lossreduce/*; do ln -s "$$PWD/$$f" $(TYPECHECK_TREE)/; done
 	for d in server client trainer_worker; do ln -s "$$PWD/$$d" $(TYPECHECK_TREE)/$$d; done
+
+typecheck: $(VENV)/.installed-dev linked-tree
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml); --strict fails on a broken link or
+# anchor, a missing page or a reference to a renamed symbol. The variable
+# silences the banner in which Material advertises its successor, nothing else.
+docs: $(VENV)/.installed-dev linked-tree
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 pytest: $(VENV)/.installed-dev
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+test: lint docs typecheck pytest
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
