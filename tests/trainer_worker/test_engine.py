@@ -403,13 +403,12 @@ def test_model_called_with_the_microbatch_by_default() -> None:
     )
 
 
-def test_readme_example_runs() -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("\n## How an engine uses a reduction\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert blocks, "the README's engine section has no python example"
+def test_the_docs_engine_example_runs() -> None:
+    page = (Path(__file__).parents[2] / "docs" / "engines.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    assert blocks, "docs/engines.md has no python example"
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), {"__name__": "readme_example"})
+        exec(compile(block, "docs/engines.md", "exec"), {"__name__": "docs_example"})
 
 
 # ------------------------------------------------------------------ overlap
