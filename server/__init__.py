@@ -10,12 +10,12 @@
   table for Prometheus; ``app`` runs it all (:func:`serve`,
   :class:`CoordinatorThread`); ``cli`` is ``lossreduce serve`` (``lossreduce
   status`` dials the coordinator, so it lives in :mod:`lossreduce.client`).
-- Reliability and security (README "Guarantees"): ``journal`` and
+- Reliability and security (``docs/guarantees.md``): ``journal`` and
   ``journal_store`` persist finished rounds before they are answered; ``auth``
   checks bearer tokens and job scopes; ``security`` holds TLS and the binding
   rule; ``limits`` and ``wire_guard`` refuse over-long names and undecodable
   bytes; ``hardening`` assembles them from the settings.
-- ``bench`` is ``lossreduce bench`` (README "Performance"); nothing here
+- ``bench`` is ``lossreduce bench`` (``docs/performance.md``); nothing here
   imports it. The node-local aggregator that feeds hierarchical rounds dials
   the coordinator, so it lives in :mod:`lossreduce.client`.
 """

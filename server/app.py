@@ -233,7 +233,7 @@ def quiet_collector() -> None:
     collector, triggered by per-message allocations that reference counting
     frees anyway. Freezing what start-up built (modules, the server) and
     collecting the young generation 20x less often cut server CPU per
-    contribution by about 10% in the benchmark (README, "Performance").
+    contribution by about 10% in the benchmark (docs/performance.md).
     Only the ``serve`` entry point does this: it owns the process.
     """
     gc.collect()

@@ -21,7 +21,7 @@ Design:
   The record keeps an 8-byte blake2b digest of every contribution (so a
   conflicting re-send after a restart is recognized), which makes the cost
   O(N) per round: a few µs per contribution, paid on the event loop before
-  the round's ranks are answered (the README's "Guarantees" has the measured
+  the round's ranks are answered (``docs/guarantees.md`` has the measured
   figures). A writer thread with group commit would need the servicer to
   await durability; not worth it at this cost.
 - Durability: ``synchronous="normal"`` (the default) does not fsync per

@@ -105,7 +105,7 @@ class CoordinatorSettings(BaseSettings):
         description="Shortest interval between client pings the server tolerates; a client pinging "
         "more often is sent GOAWAY. Clients' keepalive_time_s must not be shorter.",
     )
-    # -- reliability and security (see the README, "Guarantees") --
+    # -- reliability and security (see docs/guarantees.md) --
     journal: Path | None = Field(
         default=None,
         description="SQLite journal of finished rounds, written before any rank is answered; a "

@@ -1,6 +1,6 @@
 """The reduction library, normalizer backends and the engine boundary.
 
-A loss is a :class:`LossReduction` of named :class:`LossTerm` s; each term's
+A loss is a :class:`LossReduction` of named terms (:class:`LossTerm`); each term's
 share of the global loss is its local value scaled by its local normalizer
 over the global normalizer, which a :class:`GlobalNormalizer` backend sums
 over ranks (one process, torch.distributed, or the coordinator). See

@@ -20,7 +20,7 @@ sequences (padded ``[0, T]``, packed with ``cu_seqlens = [0]``, no groups) is
 valid in every mode: value 0, normalizer 0, zero gradients.
 
 Bad settings raise :class:`~lossreduce.errors.ReductionConfigError`, malformed
-inputs :class:`~lossreduce.errors.ReductionInputError` (both ``ValueError`` s).
+inputs :class:`~lossreduce.errors.ReductionInputError` (both also ``ValueError``).
 
 Masked positions never enter arithmetic: the loss is selected with
 ``torch.where`` before any sum, so a NaN or inf in a masked token neither

@@ -1,7 +1,7 @@
 """Loss terms and reductions: what a loss is made of and how each part is normalized.
 
 A :class:`LossReduction` pairs a ``loss_fn`` with one or more named
-:class:`LossTerm` s. For a microbatch ``b`` each term yields a local value
+:class:`LossTerm` terms. For a microbatch ``b`` each term yields a local value
 ``v_b`` (from ``loss_fn``) and a local normalizer ``n_b`` (from its
 ``normalizer_fn``); with the global normalizer ``N`` (the sum of ``n_b`` over
 every rank and microbatch) its share of the global loss is
@@ -16,7 +16,7 @@ partial a rank sends for reduction.
 A bad term or reduction definition raises
 :class:`~lossreduce.errors.ReductionConfigError`; a ``loss_fn`` or normalizer
 returning the wrong terms or shapes raises
-:class:`~lossreduce.errors.ReductionInputError` (both ``ValueError`` s).
+:class:`~lossreduce.errors.ReductionInputError` (both also ``ValueError``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ send four named partials and all receive the sums; contenders are interleaved
 round by round in one invocation. Reports p50/p99 round latency, rounds/s,
 server CPU per contribution, client CPU per rank and round, and the
 coordinator's ratio to every contender (the ``bare-echo`` reference among
-them: a servicer with no round logic), checks the README's Performance
+them: a servicer with no round logic), checks the Performance
 targets, and writes ``bench.json`` and ``bench.png`` to ``--out``.
 
     lossreduce bench --quick

@@ -39,7 +39,7 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Target:
-    """One of the README's Performance targets, as measured in this run."""
+    """One of the Performance targets (``docs/performance.md``), as measured in this run."""
 
     name: str
     measured: float | None
@@ -114,7 +114,7 @@ def targets(
     hierarchical_world_size: int | None = None,
     e2e_ratio: float | None = None,
 ) -> list[Target]:
-    """Check the README's Performance targets against one run's results.
+    """Check the Performance targets (``docs/performance.md``) against one run's results.
 
     The coordinator is measured against the ``bare-echo`` reference (grpc.aio's
     own floor on this machine, driven by the same load) and against the peers.
