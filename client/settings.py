@@ -93,7 +93,7 @@ class ClientSettings(BaseModel):
     token: SecretStr | None = Field(
         default_factory=lambda: _env_secret("LOSSREDUCE_TOKEN"),
         description=(
-            "Bearer token sent as 'authorization: Bearer <token>' on every call; defaults to the "
+            "Bearer token sent as `authorization: Bearer <token>` on every call; defaults to the "
             "LOSSREDUCE_TOKEN environment variable (only its first word: a server-side token "
             "line may list jobs after it). None sends no token."
         ),

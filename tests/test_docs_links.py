@@ -88,6 +88,25 @@ def test_every_relative_link_of_the_readme_resolves() -> None:
     assert not broken, "\n".join(broken)
 
 
+_CODE_SPAN = re.compile(r"(`+).+?\1", re.DOTALL)
+# <timestamp>, <job>: what a reader must substitute, which Markdown would take
+# for an HTML tag and drop. Real tags in prose (<br>, <sub>) are not used here.
+_PLACEHOLDER = re.compile(r"<[a-z_][a-z0-9_ -]*>")
+
+
+def pages() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_no_placeholder_in_prose_would_vanish_as_an_html_tag() -> None:
+    found = [
+        f"{page.relative_to(ROOT)}: {match}"
+        for page in pages()
+        for match in _PLACEHOLDER.findall(_CODE_SPAN.sub("", prose(page.read_text())))
+    ]
+    assert not found, "write these inside `code` or as &lt;...&gt;:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize(
     ("copy", "original"),
     [
