@@ -107,6 +107,27 @@ def test_no_placeholder_in_prose_would_vanish_as_an_html_tag() -> None:
     assert not found, "write these inside `code` or as &lt;...&gt;:\n" + "\n".join(found)
 
 
+def test_every_test_the_docs_cite_exists() -> None:
+    # The guarantees are "shown by" named tests; a moved or renamed test must
+    # take its citation along.
+    text = "\n".join(page.read_text() for page in pages())
+    missing = [
+        path for path in re.findall(r"tests/[\w/]+\.py", text) if not (ROOT / path).is_file()
+    ]
+    defined = set(
+        re.findall(
+            r"^\s*(?:async\s+)?def (test_\w+)",
+            "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py")),
+            flags=re.MULTILINE,
+        )
+    )
+    # A name ending in "*" (`::test_mutual_tls_*`) stands for several tests.
+    cited = set(re.findall(r"::(test_\w+)(?![\w*])", text))
+    assert cited, "the docs cite no test"
+    missing += sorted(f"def {name}" for name in cited - defined)
+    assert not missing, f"cited in the docs but not in tests/: {missing}"
+
+
 @pytest.mark.parametrize(
     ("copy", "original"),
     [
