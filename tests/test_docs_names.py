@@ -1,0 +1,63 @@
+"""Every dotted ``lossreduce.*`` name the README and the docs pages mention exists.
+
+`mkdocs build --strict` fails on a renamed symbol behind an API reference
+directive; this covers the names in the prose (``lossreduce.status_codec.from_status``,
+``lossreduce.client.settings.BASE_CHANNEL_OPTIONS``, ...), so a move or rename
+in the code takes its mention along.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROTO = ROOT / "proto" / "lossreduce" / "v2" / "coordinator.proto"
+# Not part of a path or a longer word (``grpo_lossreduce.py``, ``grafana/lossreduce.json``).
+_NAME = re.compile(r"(?<![\w/.-])lossreduce(?:\.[A-Za-z_]\w*)+")
+
+
+def mentioned_names() -> set[str]:
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    return {name for page in pages for name in _NAME.findall(page.read_text())}
+
+
+def exists(name: str) -> bool:
+    """Whether ``name`` is a module, or an attribute path from the longest module in it."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def in_the_wire_contract(name: str) -> bool:
+    """A service or message of the .proto (``lossreduce.v2.ReductionCoordinator``)."""
+    package, _, last = name.rpartition(".")
+    return package == "lossreduce.v2" and bool(
+        re.search(rf"^(?:service|message|enum) {re.escape(last)}\b", PROTO.read_text(), re.M)
+    )
+
+
+def test_exists_tells_real_names_from_made_up_ones() -> None:
+    assert exists("lossreduce.status_codec.from_status")
+    assert exists("lossreduce.trainer_worker.normalizers")
+    assert not exists("lossreduce.status_codec.no_such_function")
+    assert not exists("lossreduce.no_such_module")
+    assert in_the_wire_contract("lossreduce.v2.ReductionCoordinator")
+    assert not in_the_wire_contract("lossreduce.v2.NoSuchService")
+
+
+def test_every_lossreduce_name_in_the_docs_exists() -> None:
+    names = mentioned_names()
+    assert len(names) > 20, sorted(names)
+    missing = sorted(n for n in names if not exists(n) and not in_the_wire_contract(n))
+    assert not missing, f"named in the docs, but not in the code: {missing}"
