@@ -162,11 +162,21 @@ def start_cluster(
     coord_host = network.add_host("coord")
     journal = workdir / "journal.sqlite3"
     serve_command = [
-        sys.executable, "-m", "lossreduce.cli", "serve",
-        "--host", coord_host.address, "--port", str(COORDINATOR_PORT),
-        "--metrics-port", str(METRICS_PORT), "--journal", str(journal), "--insecure",
+        sys.executable,
+        "-m",
+        "lossreduce.cli",
+        "serve",
+        "--host",
+        coord_host.address,
+        "--port",
+        str(COORDINATOR_PORT),
+        "--metrics-port",
+        str(METRICS_PORT),
+        "--journal",
+        str(journal),
+        "--insecure",
         *_flags(serve),
-    ]  # fmt: skip
+    ]
     coordinator = coord_host.spawn("serve", serve_command, ready=SERVE_READY)
     cluster = Cluster(network, coord_host, coordinator, journal, world=nodes * ranks_per_node)
     for i in range(nodes):
@@ -176,19 +186,42 @@ def start_cluster(
         target = cluster.coordinator_target
         if agent is not None:
             agent_command = [
-                sys.executable, "-m", "lossreduce.cli", "agent",
-                "--upstream", cluster.coordinator_target, "--job", cluster.job,
-                "--world-size", str(cluster.world), "--host", "127.0.0.1",
-                "--port", str(AGENT_PORT), "--local-ranks", ",".join(map(str, ranks)),
+                sys.executable,
+                "-m",
+                "lossreduce.cli",
+                "agent",
+                "--upstream",
+                cluster.coordinator_target,
+                "--job",
+                cluster.job,
+                "--world-size",
+                str(cluster.world),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(AGENT_PORT),
+                "--local-ranks",
+                ",".join(map(str, ranks)),
                 *_flags(agent),
-            ]  # fmt: skip
+            ]
             agent_process = host.spawn("agent", agent_command, ready=AGENT_READY)
             target = f"127.0.0.1:{AGENT_PORT}"
         ranks_command = [
-            sys.executable, str(RANK_HOST), "--target", target, "--job", cluster.job,
-            "--ranks", ",".join(map(str, ranks)), "--world", str(cluster.world),
-            "--seed", str(SEED), "--settings", json.dumps(dict(client)),
-        ]  # fmt: skip
+            sys.executable,
+            str(RANK_HOST),
+            "--target",
+            target,
+            "--job",
+            cluster.job,
+            "--ranks",
+            ",".join(map(str, ranks)),
+            "--world",
+            str(cluster.world),
+            "--seed",
+            str(SEED),
+            "--settings",
+            json.dumps(dict(client)),
+        ]
         process = host.spawn("ranks", ranks_command, pipe=True)
         line = json.loads(process.line(60.0))
         assert line == {"ready": list(ranks)}, line

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import queue
 import re
@@ -51,7 +52,7 @@ READY_TIMEOUT_S = 60.0
 """Bound of a process's start (two shared cores: python and grpc imports are slow)."""
 
 _live: set[Network] = set()
-_counter = 0
+_counter = itertools.count(1)
 
 
 class NetnsError(RuntimeError):
@@ -186,7 +187,8 @@ class NsProcess:
         )
 
     def send(self, line: str) -> None:
-        assert self.proc is not None and self.proc.stdin is not None, f"{self.name}: no pipe"
+        assert self.proc is not None, f"{self.name} was not started"
+        assert self.proc.stdin is not None, f"{self.name} has no stdin pipe"
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
@@ -217,6 +219,11 @@ class NsProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def _v4(endpoint: str) -> str:
+    """``[::ffff:10.213.0.10]:50051`` (a dual-stack socket's view) -> ``10.213.0.10:50051``."""
+    return re.sub(r"^\[::ffff:([0-9.]+)\]", r"\1", endpoint)
+
+
 class Host:
     """One namespace on the switch: ``address`` on its ``eth0``, port ``port`` on the bridge."""
 
@@ -237,13 +244,17 @@ class Host:
         self.network.processes.append(process)
         return process.start(ready)
 
-    def tcp_peers(self, port: int) -> list[str]:
-        """``addr:port`` of the peers of established TCP connections on local ``port``."""
+    def connections(self, *, sport: int | None = None, dport: int | None = None) -> list[str]:
+        """Established TCP connections in this namespace as ``local->peer`` (``addr:port``),
+        those on local port ``sport`` or to remote port ``dport``."""
+        where = [f"( sport = :{sport} )"] if sport is not None else []
+        where += [f"( dport = :{dport} )"] if dport is not None else []
         out = run(
-            ["ip", "netns", "exec", self.namespace, "ss", "-Htn", "state", "established",
-             f"( sport = :{port} )"]  # fmt: skip
+            ["ip", "netns", "exec", self.namespace, "ss", "-Htn", "state", "established", *where]
         ).stdout
-        return [line.split()[-1] for line in out.splitlines() if line.strip()]
+        return [
+            f"{_v4(cols[-2])}->{_v4(cols[-1])}" for cols in map(str.split, out.splitlines()) if cols
+        ]
 
     def python(self, code: str) -> str:
         """Run a short ``python -c`` in this namespace; its stdout."""
@@ -254,9 +265,7 @@ class Network:
     """The switch and its hosts; :meth:`close` removes everything it made."""
 
     def __init__(self, workdir: Path) -> None:
-        global _counter
-        _counter += 1
-        self.tag = f"{PREFIX}{os.getpid()}-{_counter}"
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.workdir = workdir
         self.hosts: list[Host] = []
         self.processes: list[NsProcess] = []
@@ -279,8 +288,22 @@ class Network:
         host = Host(self, name, len(self.hosts))
         self._add_namespace(host.namespace)
         run(
-            ["ip", "link", "add", "name", "eth0", "netns", host.namespace, "type", "veth",
-             "peer", "name", host.port, "netns", self.switch]  # fmt: skip
+            [
+                "ip",
+                "link",
+                "add",
+                "name",
+                "eth0",
+                "netns",
+                host.namespace,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                host.port,
+                "netns",
+                self.switch,
+            ]
         )
         self._sw(["link", "set", host.port, "master", "br0"])
         self._sw(["link", "set", host.port, "up"])

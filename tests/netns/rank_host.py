@@ -58,9 +58,13 @@ async def _main(args: argparse.Namespace) -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     clients = {
         r: AsyncReductionClient(
-            args.target, job=args.job, group="actor", rank=r, world_size=args.world,
+            args.target,
+            job=args.job,
+            group="actor",
+            rank=r,
+            world_size=args.world,
             settings=settings,
-        )  # fmt: skip
+        )
         for r in ranks
     }
     loop = asyncio.get_running_loop()

@@ -78,26 +78,26 @@ def test_partition_and_reset_are_what_they_say(network: Network) -> None:
     a heal restores them; a reset makes the peer see ECONNRESET."""
     a, b = network.add_host("a"), network.add_host("b")
     listen = (
-        "import socket,sys,time\ns=socket.socket();s.bind(('{addr}',7000));s.listen()\n"
+        f"import socket,sys,time\ns=socket.socket();s.bind(('{b.address}',7000));s.listen()\n"
         "print('up',flush=True)\nc,_=s.accept();c.recv(1);time.sleep(30)"
-    ).format(addr=b.address)
+    )
     server = b.spawn("listen", ["python3", "-c", listen], ready="up")
     dial = (
         "import socket,time\nt=time.monotonic()\n"
-        "try:\n s=socket.create_connection(('{addr}',7000),timeout=1.5);print('connected')\n"
+        f"try:\n s=socket.create_connection(('{b.address}',7000),timeout=1.5);print('connected')\n"
         "except OSError as e:print(type(e).__name__)\n"
-    ).format(addr=b.address)
+    )
     network.partition(b)
     assert a.python(dial).strip() == "TimeoutError"  # silence: no RST, no ICMP
     network.heal(b)
     keep = (
-        "import socket\ns=socket.create_connection(('{addr}',7000),timeout=5);s.send(b'x')\n"
+        f"import socket\ns=socket.create_connection(('{b.address}',7000),timeout=5);s.send(b'x')\n"
         "print('connected',flush=True)\ns.settimeout(10)\n"
         "try:\n s.recv(1)\nexcept OSError as e:print(type(e).__name__,flush=True)\n"
-    ).format(addr=b.address)
+    )
     client = a.spawn("keep", ["python3", "-c", keep], ready="connected")
     deadline = time.monotonic() + 5
-    while not b.tcp_peers(7000) and time.monotonic() < deadline:
+    while not b.connections(sport=7000) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert network.reset(b) == 1
     client.wait_for("ConnectionResetError", timeout_s=5)
@@ -108,9 +108,7 @@ def test_node_partitioned_mid_round(cluster_factory: Callable[..., Cluster]) -> 
     """Node n2 is cut off after its peers opened a round, for longer than the round
     timeout: its peers get the timeout naming its ranks, its ranks a clear error,
     and after the heal the next round completes, nothing counted twice."""
-    cluster = cluster_factory(
-        nodes=3, ranks_per_node=2, serve=SERVE, client=RETRY, agent=AGENT
-    )
+    cluster = cluster_factory(nodes=3, ranks_per_node=2, serve=SERVE, client=RETRY, agent=AGENT)
     _exact(cluster, cluster.step(0), 0)
     cut = cluster.nodes[2]
     healthy = cluster.ranks(cluster.nodes[:2])
@@ -122,7 +120,7 @@ def test_node_partitioned_mid_round(cluster_factory: Callable[..., Cluster]) -> 
     sent = time.monotonic()
     # Healthy ranks: the coordinator's own timeout, naming the missing ranks.
     peer_bound = ROUND_TIMEOUT_S + SLACK_S
-    for rank, line in cluster.collect(healthy, peer_bound + 5).items():
+    for _rank, line in cluster.collect(healthy, peer_bound + 5).items():
         assert line["error"] == "RoundTimeoutError", line
         assert "waiting for ranks [4, 5]" in line["message"], line["message"]
         assert line["seconds"] <= peer_bound, line
