@@ -69,7 +69,7 @@ class Chaos:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(self.rng.uniform(0.5, 2.5)):
+            while not self._stop.wait(self.rng.uniform(1.0, 3.0)):
                 self._one(self.rng.choices(self.KINDS, self.WEIGHTS)[0])
         except BaseException as exc:  # reported by the test, not lost in a thread
             self.errors.append(exc)

@@ -127,8 +127,9 @@ def test_node_partitioned_mid_round(cluster_factory: Callable[..., Cluster]) -> 
     peers_done = time.monotonic() - opened
     # Partitioned ranks: the agent declares the upstream dead (keepalive), spends its
     # retry budget, answers UNAVAILABLE naming the coordinator; each rank's client
-    # retries that for its own budget (each retry one more agent budget), then raises.
-    cut_bound = DETECT_S + 3 * BUDGET_S + SLACK_S
+    # retries that for its own budget (the agent's counts from the outage's start, so
+    # each re-send gets one attempt), then raises.
+    cut_bound = DETECT_S + 2 * BUDGET_S + SLACK_S
     cut_results = cluster.collect(list(cut.ranks), cut_bound + 10)
     cut_done = time.monotonic() - sent
     for line in cut_results.values():
@@ -209,7 +210,7 @@ def test_coordinator_partitioned_while_ranks_wait(
     time.sleep(0.5)
     cluster.network.partition(cluster.coordinator_host)
     cut_at = time.monotonic()
-    bound = DETECT_S + (3 if via_agents else 1) * BUDGET_S + SLACK_S
+    bound = DETECT_S + (2 if via_agents else 1) * BUDGET_S + SLACK_S
     results = cluster.collect(waiting, bound + 10)
     for line in results.values():
         assert line["error"] == "CoordinatorUnavailableError", line
