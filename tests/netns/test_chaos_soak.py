@@ -80,11 +80,12 @@ class Chaos:
         if kind == "partition_node":
             host = self.rng.choice(cluster.nodes).host
             network.partition(host)
-            self._stop.wait(self.rng.uniform(0.3, 2.5))
+            # Up to past the round timeout: some rounds then fail, and must fail alike.
+            self._stop.wait(self.rng.uniform(0.3, 5.0))
             network.heal(host)
         elif kind == "partition_coordinator":
             network.partition(cluster.coordinator_host)
-            self._stop.wait(self.rng.uniform(0.3, 2.0))
+            self._stop.wait(self.rng.uniform(0.3, 4.0))
             network.heal(cluster.coordinator_host)
         elif kind == "kill_agent":
             cluster.restart_agent(cluster.nodes[-1])
@@ -158,4 +159,4 @@ def test_chaos_soak_bounded(cluster_factory: Callable[..., Cluster]) -> None:
     os.environ.get("LOSSREDUCE_SOAK") != "1", reason="long chaos soak: set LOSSREDUCE_SOAK=1"
 )
 def test_chaos_soak_full(cluster_factory: Callable[..., Cluster]) -> None:
-    _soak(cluster_factory, rounds=3000, seed=2)
+    _soak(cluster_factory, rounds=2000, seed=2)
