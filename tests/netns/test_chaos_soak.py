@@ -24,20 +24,15 @@ from typing import Any
 
 import pytest
 
+from tests.netns import faults
 from tests.netns.cluster import Cluster
 
-KEEPALIVE = {"keepalive_time_s": 1.0, "keepalive_timeout_s": 1.0}
 ROUND_TIMEOUT_S = 3.0
-SERVE = {
-    "round_timeout_s": ROUND_TIMEOUT_S,
-    "shutdown_grace_s": 0.5,
-    "keepalive_min_ping_interval_s": 0.5,
-    **KEEPALIVE,
-}
+SERVE = {**faults.SERVE, "round_timeout_s": ROUND_TIMEOUT_S}
 # Budgets well above the longest fault (a restart: a few seconds on two shared cores),
 # so every rank reaches the coordinator again and hears its round's one outcome.
-RETRY = {"retry_budget_s": 30.0, "max_backoff_s": 0.5, "call_timeout_s": 45.0}
-AGENT = {**KEEPALIVE, **RETRY, "node_timeout_s": 2.0}
+RETRY = {**faults.RETRY, "retry_budget_s": 30.0, "call_timeout_s": 45.0}
+AGENT = {**faults.AGENT, **RETRY}
 STEP_BOUND_S = 90.0
 """No rank waits longer than this for one round, whatever the faults."""
 STEP_PAUSE_S = 0.05
@@ -137,17 +132,11 @@ def _soak(cluster_factory: Callable[..., Cluster], rounds: int, seed: int) -> No
     assert sum(chaos.injected.values()) > 0
     assert counts["completed"] > rounds // 2
     # The journal agrees: every round once, completed ones exact, failed ones failed.
-    assert sorted(journal) == list(range(rounds))
-    for step, verdict in verdicts.items():
-        outcome = journal[step]
-        if verdict == "completed":
-            assert outcome.error is None, f"step {step}: {outcome.error}"
-            values = {n.term: n.value.hex() for n in outcome.normalizers}
-            assert values == cluster.expected(step), f"step {step}"
-            assert outcome.record is not None
-            assert all(outcome.record.digest_of(r) for r in range(cluster.world)), step
-        else:
-            assert outcome.error is not None, f"step {step} failed but is journaled completed"
+    faults.journal_exact(
+        cluster,
+        completed=[step for step, v in verdicts.items() if v == "completed"],
+        failed=[step for step, v in verdicts.items() if v == "failed"],
+    )
 
 
 def test_chaos_soak_bounded(cluster_factory: Callable[..., Cluster]) -> None:

@@ -17,8 +17,7 @@ from lossreduce.client import ClientSettings
 from lossreduce.client.agent import AgentSettings, _server_options
 from lossreduce.server import CoordinatorSettings
 from tests.netns.cluster import Cluster
-from tests.netns.test_partitions import SLACK_S, _exact
-from tests.netns.test_quiet_stream import _dialed, _served, _until_gone
+from tests.netns.faults import SLACK_S, dialed, exact, served, until_gone
 
 CLIENT = ClientSettings()
 SERVER = CoordinatorSettings()
@@ -39,21 +38,21 @@ def test_default_keepalives_detect_a_silent_partition_within_seconds(
     )
     cut, healthy = cluster.nodes[0].host, cluster.nodes[1].host
     coord = cluster.coordinator_host
-    _exact(cluster, cluster.step(0), 0)
-    (idle,) = _dialed(healthy)
+    exact(cluster, cluster.step(0), 0)
+    (idle,) = dialed(healthy)
     cluster.send(1, [0])
     time.sleep(0.5)
     cluster.network.partition(cut)
     bound = max(CLIENT_DETECT_S, SERVER_DETECT_S) + SLACK_S
-    server_s, client_s = _until_gone(
-        lambda: _served(coord, cut), lambda: _dialed(cut), timeout_s=bound
+    server_s, client_s = until_gone(
+        lambda: served(coord, cut), lambda: dialed(cut), timeout_s=bound
     )
     (line,) = cluster.collect([0], CLIENT_DETECT_S + budget_s + SLACK_S).values()
     assert line["error"] == "CoordinatorUnavailableError", line
     assert cluster.coordinator_target in line["message"]
-    assert _dialed(healthy) == [idle], "the healthy idle client lost its connection"
+    assert dialed(healthy) == [idle], "the healthy idle client lost its connection"
     cluster.network.heal(cut)
-    _exact(cluster, cluster.step(2), 2)
+    exact(cluster, cluster.step(2), 2)
     print(
         f"\ndefault keepalives: the coordinator dropped the silent client after {server_s:.2f} s "
         f"(bound {SERVER_DETECT_S:g} s), the client its connection after {client_s:.2f} s "

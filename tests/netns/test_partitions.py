@@ -13,53 +13,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from tests.netns.cluster import Cluster
+from tests.netns.faults import (
+    AGENT,
+    BUDGET_S,
+    DETECT_S,
+    KEEPALIVE,
+    RETRY,
+    ROUND_TIMEOUT_S,
+    SERVE,
+    SLACK_S,
+    exact,
+    journal_exact,
+)
 from tests.netns.harness import SUBNET, Network, run
-
-ROUND_TIMEOUT_S = 4.0
-KEEPALIVE = {"keepalive_time_s": 1.0, "keepalive_timeout_s": 1.0}
-"""Short keepalives (the defaults' detection scaled down so the tests stay short)."""
-SERVE = {
-    "round_timeout_s": ROUND_TIMEOUT_S,
-    "shutdown_grace_s": 0.5,
-    "keepalive_min_ping_interval_s": 0.5,
-    **KEEPALIVE,
-}
-BUDGET_S = 3.0
-RETRY = {"retry_budget_s": BUDGET_S, "max_backoff_s": 0.5, "call_timeout_s": 30.0}
-AGENT = {**KEEPALIVE, **RETRY, "node_timeout_s": 2.0}
-"""The agents' upstream settings; their ranks dial them on the node's loopback."""
-DETECT_S = KEEPALIVE["keepalive_time_s"] + KEEPALIVE["keepalive_timeout_s"]
-"""A silent connection is declared dead within one ping interval plus its timeout."""
-SLACK_S = 3.0
-"""Scheduling on two shared cores, process wake-ups, one backoff step."""
-
-
-def _exact(cluster: Cluster, results: dict[int, dict[str, Any]], step: int) -> None:
-    expected = cluster.expected(step)
-    for rank, line in results.items():
-        assert line["ok"], f"rank {rank} step {step}: {line}"
-        assert line["normalizers"] == expected, f"rank {rank} step {step}"
-
-
-def _journal_exact(cluster: Cluster, completed: list[int], failed: list[int]) -> None:
-    """The journal holds each round once: completed ones with the exact sums and every
-    rank's contribution digest (each rank counted once), failed ones with their error."""
-    journal = cluster.journal()
-    assert sorted(journal) == sorted(completed + failed)
-    for step in completed:
-        outcome = journal[step]
-        assert outcome.error is None, f"step {step}: {outcome.error}"
-        values = {n.term: n.value.hex() for n in outcome.normalizers}
-        assert values == cluster.expected(step), f"step {step}"
-        assert outcome.record is not None
-        assert all(outcome.record.digest_of(r) for r in range(cluster.world)), step
-    for step in failed:
-        assert journal[step].error is not None, f"step {step} should have failed"
 
 
 def test_namespaces_are_isolated(network: Network) -> None:
@@ -109,7 +79,7 @@ def test_node_partitioned_mid_round(cluster_factory: Callable[..., Cluster]) -> 
     timeout: its peers get the timeout naming its ranks, its ranks a clear error,
     and after the heal the next round completes, nothing counted twice."""
     cluster = cluster_factory(nodes=3, ranks_per_node=2, serve=SERVE, client=RETRY, agent=AGENT)
-    _exact(cluster, cluster.step(0), 0)
+    exact(cluster, cluster.step(0), 0)
     cut = cluster.nodes[2]
     healthy = cluster.ranks(cluster.nodes[:2])
     cluster.send(1, healthy)
@@ -138,8 +108,8 @@ def test_node_partitioned_mid_round(cluster_factory: Callable[..., Cluster]) -> 
         assert line["seconds"] <= cut_bound, line
     assert cut_done > ROUND_TIMEOUT_S  # the partition outlasted the round timeout
     cluster.network.heal(cut.host)
-    _exact(cluster, cluster.step(2, timeout_s=30), 2)
-    _journal_exact(cluster, completed=[0, 2], failed=[1])
+    exact(cluster, cluster.step(2, timeout_s=30), 2)
+    journal_exact(cluster, completed=[0, 2], failed=[1])
     journal = cluster.journal()
     assert "waiting for ranks [4, 5]" in str(journal[1].error)
     print(
@@ -165,7 +135,7 @@ def test_agent_partition_healed_inside_the_retry_budget(
         client={**RETRY, "retry_budget_s": budget},
         agent={**AGENT, "retry_budget_s": budget},
     )
-    _exact(cluster, cluster.step(0), 0)
+    exact(cluster, cluster.step(0), 0)
     before = cluster.metric("lossreduce_contributions_total", job=cluster.job)
     cut = cluster.nodes[1]
     cluster.send(1, cut.ranks)
@@ -175,16 +145,16 @@ def test_agent_partition_healed_inside_the_retry_budget(
         time.sleep(0.1)
     cluster.network.partition(cut.host)
     cut_at = time.monotonic()
-    _exact(cluster, cluster.step(1, cluster.ranks(cluster.nodes[:1])), 1)
+    exact(cluster, cluster.step(1, cluster.ranks(cluster.nodes[:1])), 1)
     time.sleep(DETECT_S + 1.0)  # long enough for the agent to declare its stream dead
     cluster.network.heal(cut.host)
     healed_at = time.monotonic()
     results = cluster.collect(list(cut.ranks), budget + 10)
-    _exact(cluster, results, 1)
+    exact(cluster, results, 1)
     after_heal = time.monotonic() - healed_at
     assert cluster.metric("lossreduce_retries_deduplicated_total", job=cluster.job) >= 1
-    _exact(cluster, cluster.step(2), 2)
-    _journal_exact(cluster, completed=[0, 1, 2], failed=[])
+    exact(cluster, cluster.step(2), 2)
+    journal_exact(cluster, completed=[0, 1, 2], failed=[])
     print(
         f"\nagent partition healed after {healed_at - cut_at:.2f} s: its ranks answered "
         f"{after_heal:.2f} s after the heal, in {[round(r['seconds'], 2) for r in results.values()]} s"
@@ -204,7 +174,7 @@ def test_coordinator_partitioned_while_ranks_wait(
         client={**RETRY, **KEEPALIVE} if not via_agents else RETRY,
         agent=AGENT if via_agents else None,
     )
-    _exact(cluster, cluster.step(0), 0)
+    exact(cluster, cluster.step(0), 0)
     waiting = cluster.ranks()[:-1]  # the last rank never comes: the round stays open
     cluster.send(1, waiting)
     time.sleep(0.5)

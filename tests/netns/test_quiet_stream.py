@@ -13,37 +13,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from tests.netns.cluster import COORDINATOR_PORT, Cluster
-from tests.netns.harness import Host
-from tests.netns.test_partitions import DETECT_S, KEEPALIVE, RETRY, SERVE, SLACK_S, _exact
-
-
-def _served(coord: Host, peer: Host) -> list[str]:
-    """The coordinator's connections from ``peer``."""
-    return [
-        c
-        for c in coord.connections(sport=COORDINATOR_PORT)
-        if c.split("->")[1].startswith(peer.address + ":")
-    ]
-
-
-def _dialed(host: Host) -> list[str]:
-    """``host``'s connections to the coordinator."""
-    return host.connections(dport=COORDINATOR_PORT)
-
-
-def _until_gone(*probes: Callable[[], list[str]], timeout_s: float) -> list[float]:
-    """Seconds until each probe lists nothing (polled together); fails after ``timeout_s``."""
-    started = time.monotonic()
-    gone: list[float | None] = [None] * len(probes)
-    while None in gone:
-        now = time.monotonic() - started
-        assert now < timeout_s, f"still there: {[p() for p in probes]}"
-        for i, probe in enumerate(probes):
-            if gone[i] is None and not probe():
-                gone[i] = now
-        time.sleep(0.05)
-    return [g for g in gone if g is not None]
+from tests.netns.cluster import Cluster
+from tests.netns.faults import (
+    DETECT_S,
+    KEEPALIVE,
+    RETRY,
+    SERVE,
+    SLACK_S,
+    dialed,
+    exact,
+    served,
+    until_gone,
+)
 
 
 def test_quiet_stream_released_on_both_sides(cluster_factory: Callable[..., Cluster]) -> None:
@@ -57,34 +38,34 @@ def test_quiet_stream_released_on_both_sides(cluster_factory: Callable[..., Clus
     )
     quiet = cluster.nodes[1].host
     coord = cluster.coordinator_host
-    _exact(cluster, cluster.step(0), 0)
-    (old,) = _served(coord, quiet)
+    exact(cluster, cluster.step(0), 0)
+    (old,) = served(coord, quiet)
     baseline = cluster.metric("lossreduce_rounds_in_flight")
 
     # An idle stream goes quiet while its peer's round waits for it.
     cluster.send(1, [0])
     time.sleep(0.3)
     cluster.network.partition(quiet)
-    server_s, client_s = _until_gone(
-        lambda: _served(coord, quiet), lambda: _dialed(quiet), timeout_s=DETECT_S + SLACK_S
+    server_s, client_s = until_gone(
+        lambda: served(coord, quiet), lambda: dialed(quiet), timeout_s=DETECT_S + SLACK_S
     )
     (timed_out,) = cluster.collect([0], SERVE["round_timeout_s"] + SLACK_S).values()
     assert timed_out["error"] == "RoundTimeoutError", timed_out
     assert "waiting for ranks [1]" in timed_out["message"]
     assert cluster.metric("lossreduce_rounds_in_flight") == baseline == 0
     cluster.network.heal(quiet)
-    _exact(cluster, cluster.step(2), 2)
-    (new,) = _served(coord, quiet)
+    exact(cluster, cluster.step(2), 2)
+    (new,) = served(coord, quiet)
     assert new != old, "the client must have come back on a new connection"
 
     # A call in flight when its stream goes quiet: retried on a new connection.
     cluster.send(3, [1])
     time.sleep(0.3)
     cluster.network.partition(quiet)
-    (in_flight_s,) = _until_gone(lambda: _dialed(quiet), timeout_s=DETECT_S + SLACK_S)
+    (in_flight_s,) = until_gone(lambda: dialed(quiet), timeout_s=DETECT_S + SLACK_S)
     cluster.network.heal(quiet)
-    _exact(cluster, cluster.step(3, [0]) | cluster.collect([1], 30.0), 3)
-    (again,) = _served(coord, quiet)
+    exact(cluster, cluster.step(3, [0]) | cluster.collect([1], 30.0), 3)
+    (again,) = served(coord, quiet)
     assert again not in (old, new)
     assert cluster.metric("lossreduce_rounds_in_flight") == 0
     journal = cluster.journal()
@@ -108,11 +89,11 @@ def _idle_connection_survives(
         agent=None,
     )
     host = cluster.nodes[0].host
-    _exact(cluster, cluster.step(0), 0)
-    (before,) = _dialed(host)
+    exact(cluster, cluster.step(0), 0)
+    (before,) = dialed(host)
     time.sleep(max(8 * client_ping_s, 4.0))  # idle: only pings cross the connection
-    _exact(cluster, cluster.step(1), 1)
-    return _dialed(host) == [before]
+    exact(cluster, cluster.step(1), 1)
+    return dialed(host) == [before]
 
 
 def test_ping_policy_keeps_a_healthy_idle_client(
