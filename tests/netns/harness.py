@@ -129,7 +129,7 @@ def remove_stale() -> list[str]:
 
 class NsProcess:
     """One process inside a namespace; its output goes to ``log_path`` (stdout lines to
-    :meth:`lines` too, when ``pipe`` is set), and it can be SIGKILLed and started again."""
+    :meth:`line` too, when ``pipe`` is set), and it can be SIGKILLed and started again."""
 
     def __init__(
         self, host: Host, name: str, command: Sequence[str], log_path: Path, *, pipe: bool = False
@@ -211,9 +211,6 @@ class NsProcess:
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
