@@ -105,6 +105,7 @@ def _soak(cluster_factory: Callable[..., Cluster], rounds: int, seed: int) -> No
     cluster = cluster_factory(nodes=4, ranks_per_node=8, serve=SERVE, client=RETRY, agent=AGENT)
     chaos = Chaos(cluster, seed)
     verdicts: dict[int, str] = {}
+    failures: collections.Counter[str] = collections.Counter()
     lost: dict[int, dict[int, dict[str, Any]]] = {}
     started = time.monotonic()
     chaos.start()
@@ -114,6 +115,8 @@ def _soak(cluster_factory: Callable[..., Cluster], rounds: int, seed: int) -> No
             verdicts[step] = _verdict(cluster, step, results)
             if verdicts[step] == "lost":
                 lost[step] = results
+            elif verdicts[step] == "failed":
+                failures[next(iter(results.values()))["error"]] += 1
             time.sleep(STEP_PAUSE_S)
     finally:
         chaos.stop()
@@ -125,7 +128,8 @@ def _soak(cluster_factory: Callable[..., Cluster], rounds: int, seed: int) -> No
         f"\nchaos soak: {cluster.world} ranks on {len(cluster.nodes)} nodes, {rounds} rounds in "
         f"{elapsed:.1f} s; faults injected {sum(chaos.injected.values())} "
         f"({dict(sorted(chaos.injected.items()))}); rounds completed {counts['completed']}, "
-        f"failed cleanly {counts['failed']}, lost {counts['lost']}; coordinator starts "
+        f"failed cleanly {counts['failed']} ({dict(failures)}), lost {counts['lost']}; "
+        f"coordinator starts "
         f"{cluster.coordinator.starts}, journal rounds {len(journal)}"
     )
     assert not lost, f"rounds lost: {lost}"
