@@ -35,6 +35,7 @@ _RANK_PROCESS = textwrap.dedent(
     settings = ClientSettings(token=None, call_timeout_s=60.0)
     with ReductionClient(target, job="killed", group="actor", rank=rank, world_size=world,
                          settings=settings) as client:
+        print("ready", flush=True)  # imports done: on a loaded machine they take seconds
         client.reduce(0, {"tokens": 1.0})
         print("step 0 done", flush=True)
         time.sleep(3600)  # stuck in the backward pass, until SIGKILL
@@ -80,9 +81,11 @@ def test_a_killed_rank_process_aborts_its_peers_at_the_round_timeout(
     )
 
     async def main() -> list[BaseException | dict[str, float]]:
+        assert proc.stdout is not None
+        # Step 0's round starts only once rank 2 can take part within its 1.5 s timeout.
+        assert await asyncio.to_thread(proc.stdout.readline) == "ready\n"
         peers = [_client(coord.target, "killed", r, world) for r in (0, 1)]
         await asyncio.gather(*(p.reduce(0, {"tokens": 1.0}) for p in peers))
-        assert proc.stdout is not None
         assert await asyncio.to_thread(proc.stdout.readline) == "step 0 done\n"
         waiting = [asyncio.create_task(p.reduce(1, {"tokens": 1.0})) for p in peers]
         await _arrived(coord.target, "killed", 1, 2)
