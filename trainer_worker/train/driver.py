@@ -107,8 +107,13 @@ def _ray_session(settings: TrainSettings) -> Iterator[bool]:
     try:
         if settings.address is None:
             with _quiet_local_start():
+                # address="local": a cluster of this run's own, even where another Ray
+                # cluster runs on this machine (plain ray.init() would join that one).
                 ray.init(
-                    num_cpus=settings.num_cpus, include_dashboard=False, logging_level="WARNING"
+                    address="local",
+                    num_cpus=settings.num_cpus,
+                    include_dashboard=False,
+                    logging_level="WARNING",
                 )
         else:
             # Joining a real cluster: whatever Ray says of its authentication is shown.

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -48,3 +52,38 @@ def test_a_local_start_prints_no_token_notice_and_keeps_token_authentication(
     assert "Token authentication" not in printed.out + printed.err
     # The filter is gone with the session: a later Ray start shows the notice again.
     assert not logging.getLogger(driver._RAY_AUTH_LOGGER).filters
+
+
+@pytest.mark.timeout(240)
+def test_a_local_start_is_a_cluster_of_its_own_beside_another_on_this_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray.is_initialized():
+        ray.shutdown()
+    ready = tmp_path / "other-gcs"
+    # Another driver's local cluster on this machine, alive while this run starts.
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import pathlib, sys, time, ray\n"
+            "ray.init(address='local', num_cpus=1, include_dashboard=False)\n"
+            f"pathlib.Path({str(ready)!r}).write_text(ray.get_runtime_context().gcs_address)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert other.poll() is None, "the other cluster's driver died"
+            assert time.monotonic() < deadline, "the other cluster did not start"
+            time.sleep(0.5)
+        with driver._ray_session(TrainSettings(num_cpus=1, address=None)) as started_local:
+            assert started_local
+            assert ray.get_runtime_context().gcs_address != ready.read_text()
+    finally:
+        assert other.stdin is not None
+        other.stdin.close()  # its driver ends, and its cluster with it
+        other.wait(timeout=60)

@@ -32,6 +32,7 @@ from lossreduce.trainer_worker.train.engines.trl.worker import (
     TRLWorker,
     TRLWorkerConfig,
     build_trainer,
+    frameworks_quiet,
     reduction_settings,
 )
 from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
@@ -108,19 +109,20 @@ class TRLEngine(GroupEngine):
                 "--verify: step 0 was empty on the workers; try another --seed"
             )
         replay = [row for s in summaries for row in (s.rollouts or [])]
-        trainer = build_trainer(
-            settings,
-            policy.path,
-            self.out_dir / "trl-verify",
-            reduction_settings(settings, self.job, normalizer="torch"),
-            world_size=len(workers),
-            steps=1,
-            pad_with_eos=policy.pad_with_eos,
-            replay=replay,
-        )
-        reporter = StepReporter(trainer, None, capture=True)
-        trainer.add_callback(reporter)
-        trainer.train()
+        with frameworks_quiet():
+            trainer = build_trainer(
+                settings,
+                policy.path,
+                self.out_dir / "trl-verify",
+                reduction_settings(settings, self.job, normalizer="torch"),
+                world_size=len(workers),
+                steps=1,
+                pad_with_eos=policy.pad_with_eos,
+                replay=replay,
+            )
+            reporter = StepReporter(trainer, None, capture=True)
+            trainer.add_callback(reporter)
+            trainer.train()
         if reporter.gradients is None or reporter.loss is None:
             raise TrainingFailedError("--verify: the one-process step was empty")
         return compare_gradients(

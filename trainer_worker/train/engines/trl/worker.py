@@ -17,7 +17,8 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,10 @@ __all__ = [
     "TRLWorker",
     "TRLWorkerConfig",
     "build_trainer",
+    "frameworks_quiet",
     "reduction_settings",
     "rows_per_device",
+    "silence_frameworks",
 ]
 
 Rollout = tuple[str, list[int]]
@@ -225,6 +228,33 @@ def build_trainer(
     return trainer
 
 
+def silence_frameworks() -> None:
+    """No loading bars, info logs or TRL's deprecation noise: the driver shows progress."""
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    # TRL 1.16 calls transformers' deprecated checkpointing alias on every model load.
+    warnings.filterwarnings("ignore", r".*deprecated and will be removed in v6", FutureWarning)
+
+
+@contextmanager
+def frameworks_quiet() -> Iterator[None]:
+    """:func:`silence_frameworks` for a block of the driver's own process, then as before."""
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    dataset_bars = datasets.is_progress_bar_enabled()
+    with warnings.catch_warnings():
+        silence_frameworks()
+        try:
+            yield
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+            if dataset_bars:
+                datasets.enable_progress_bars()
+
+
 class TRLWorkerConfig(BaseModel):
     """What one TRL rank needs to start."""
 
@@ -341,12 +371,7 @@ class TRLWorker:
         if not torch.cuda.is_available():
             # One bundle = one CPU: more threads only fight the other ranks.
             torch.set_num_threads(1)
-        # The driver shows progress: no per-rank loading bars or info logs.
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-        datasets.disable_progress_bars()
-        # TRL 1.16 calls transformers' deprecated checkpointing alias on every model load.
-        warnings.filterwarnings("ignore", r".*deprecated and will be removed in v6", FutureWarning)
+        silence_frameworks()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 only: an address and free port on its node for torch.distributed."""
