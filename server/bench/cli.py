@@ -136,7 +136,7 @@ class BenchSettings(BaseModel):
         ge=0,
         description="After the other world sizes, the hierarchical contender and its echo "
         "reference (hierarchical-echo) alone at N = nodes x --ranks-per-node simulated ranks "
-        "(the README's Performance target: 512 x 8 = 4096); 0 skips it.",
+        "(the Performance target of docs/performance.md: 512 x 8 = 4096); 0 skips it.",
     )
     e2e: bool = Field(
         default=False,

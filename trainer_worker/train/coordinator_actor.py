@@ -9,7 +9,7 @@ retry within their budget and re-send their (idempotent) contributions.
 Restarts: the actor journals every finished round to a SQLite file on this
 node (:func:`default_journal`, in the temp dir), so the restarted process
 answers a retry of a round that finished before the crash identically
-instead of collecting it again (see the README, "Guarantees").
+instead of collecting it again (see docs/guarantees.md).
 
 Security: the coordinator accepts only a bearer token made fresh for each run
 (the driver hands it to the workers through Ray). On a one-node cluster it
@@ -72,7 +72,7 @@ class CoordinatorActor:
 
         with _tls_files(tls) as (cert, key):
             # A restarted actor reopens the same journal and answers retries of the
-            # rounds its previous incarnation finished (README, "Guarantees").
+            # rounds its previous incarnation finished (docs/guarantees.md).
             settings = CoordinatorSettings(
                 host=host,
                 port=port,
