@@ -68,7 +68,7 @@ def micro_batch_loss(
     """
     del dp_group  # the normalizers are already global
     log_prob = no_padding_2_padding(model_output["log_probs"], data)  # [b, R]
-    entropy = model_output.get("entropy", None)
+    entropy = model_output.get("entropy")
     mask = padded(data["response_mask"]).bool()  # [b, R]
     # Sums in at least float32, as verl's own loss (log-probabilities may be bfloat16).
     dtype = torch.promote_types(log_prob.dtype, torch.float32)
@@ -77,7 +77,7 @@ def micro_batch_loss(
     rows = weight[:, None].expand_as(log_prob)  # [b, R]
     advantages = zero_masked(padded(data["advantages"]).to(dtype), mask)
     old_log_prob = zero_masked(padded(data["old_log_probs"]).to(dtype), mask)
-    if "rollout_is_weights" in data.keys():
+    if "rollout_is_weights" in data.keys():  # noqa: SIM118 (TensorDict refuses `in`)
         rows = rows * zero_masked(padded(data["rollout_is_weights"]).to(dtype), mask)
     policy_loss_fn = get_policy_loss_fn(sum_config.policy_loss.get("loss_mode", "vanilla"))
     pg_sum, pg_metrics = policy_loss_fn(

@@ -33,7 +33,10 @@ def actor_worker_mapping(mapping: dict[object, object]) -> dict[object, object]:
     swapped = dict(mapping)
     for role, remote in mapping.items():
         name = str(role)
-        if name.startswith("actor") and getattr(remote, "__ray_actor_class__", None) is ActorRolloutRefWorker:
+        if (
+            name.startswith("actor")
+            and getattr(remote, "__ray_actor_class__", None) is ActorRolloutRefWorker
+        ):
             swapped[role] = ours
     return swapped
 
@@ -41,6 +44,8 @@ def actor_worker_mapping(mapping: dict[object, object]) -> dict[object, object]:
 @register_trainer(TRAINER_MODE)
 class LossReducePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
     """verl's synchronous PPO trainer with lossreduce's actor workers."""
+
+    role_worker_mapping: dict[object, object]
 
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()

@@ -114,7 +114,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
 
     # -- the loss function ----------------------------------------------------------
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[misc]
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
     def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
         """Take verl's ``partial(ppo_loss, config=actor_config)``; refuse anything else
         (a distillation loss, an SFT loss) and every actor option lossreduce cannot honour."""
@@ -127,6 +127,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
                 [f"loss function {loss_fn!r}: only verl's ppo_loss (actor) is supported"],
                 settings,
             )
+        assert config is not None  # raise_problems raised otherwise
         raise_problems(actor_problems(config, settings), settings)
         # verl's aggregation in token-sum with dp_size 1 is a plain masked sum.
         self._sum_config = dataclasses.replace(config, global_batch_info={"dp_size": 1})
@@ -236,7 +237,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         inputs = {name: padded(data[name]) for name in ("advantages", "old_log_probs")}
         for name, wanted in (
             ("ref_log_prob", config.use_kl_loss),
-            ("rollout_is_weights", "rollout_is_weights" in data.keys()),
+            ("rollout_is_weights", "rollout_is_weights" in data.keys()),  # noqa: SIM118
         ):
             if wanted:
                 inputs[name] = padded(data[name])
@@ -270,13 +271,15 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
             return None
         return {term: float(n) for term, n in totals.items()}
 
-    @register(  # type: ignore[misc]
+    @register(  # type: ignore[untyped-decorator]
         dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False
     )
     def train_batch(self, data: Any) -> Any:
         """One PPO mini-batch (one optimizer step) normalized by lossreduce."""
         if self._sum_config is None:
-            raise_problems(["no loss function: call set_loss_fn(ppo_loss) first"], self.reduction_settings)
+            raise_problems(
+                ["no loss function: call set_loss_fn(ppo_loss) first"], self.reduction_settings
+            )
         step = self._round
         self._round += 1
         plan, bad = self.plan(data)

@@ -46,7 +46,7 @@ def _device_module() -> Any:
 
 
 @PlatformRegistry.register(platform="cpu")
-class PlatformCPU(PlatformBase):
+class PlatformCPU(PlatformBase):  # type: ignore[misc]
     """CPU only: gloo collectives, no device memory to report."""
 
     _module = _device_module()

@@ -126,7 +126,11 @@ def rows(*, masked_row: int | None = MASKED_ROW, all_masked: bool = False) -> Ro
 def shard(batch: Rows, rank: int, world: int) -> Rows:
     """Rank ``rank``'s contiguous share, as verl's dispatch hands it out."""
     per = batch.size // world
-    pick = slice(rank * per, (rank + 1) * per)
+    return select(batch, list(range(rank * per, (rank + 1) * per)))
+
+
+def select(batch: Rows, pick: list[int]) -> Rows:
+    """The rows ``pick`` of ``batch``, in that order."""
     return Rows(
         input_ids=batch.input_ids[pick],
         attention_mask=batch.attention_mask[pick],
@@ -134,7 +138,7 @@ def shard(batch: Rows, rank: int, world: int) -> Rows:
         advantages=batch.advantages[pick],
         old_log_probs=batch.old_log_probs[pick],
         ref_log_prob=batch.ref_log_prob[pick],
-        uid=batch.uid[pick],
+        uid=[batch.uid[i] for i in pick],
     )
 
 
@@ -262,6 +266,6 @@ def reference_grads(
     model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     model.float()
     loss = reference_loss(model, batch, mode, divisor, kl_coef=kl_coef, entropy_coeff=entropy_coeff)
-    assert math.isfinite(float(loss))
+    assert math.isfinite(float(loss.detach()))
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

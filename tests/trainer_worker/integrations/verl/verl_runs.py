@@ -50,7 +50,7 @@ class Case:
     normalizer: str = "torch"
     coordinator: str | None = None
     on_empty_step: str = "raise"
-    batch: str = "default"  # default | dense | all_masked | rank1_masked | nan_advantage
+    batch: str = "default"  # see batch_of
     optimizer: str = "sgd"  # sgd: the update is -LR * gradient; adamw: verl's default
     epochs: int = 1
     mini_batches: int = 1  # per train_mini_batch call
@@ -63,6 +63,10 @@ def batch_of(case: Case) -> tiny_verl.Rows:
         return tiny_verl.rows(masked_row=None)
     if case.batch == "all_masked":
         return tiny_verl.rows(all_masked=True)
+    if case.batch == "interleaved":
+        # On one rank, mini-batches of 4 in this order hold what two ranks' first
+        # and second mini-batches of 2 each hold.
+        return tiny_verl.select(tiny_verl.rows(), [0, 1, 4, 5, 2, 3, 6, 7])
     rows = tiny_verl.rows()
     if case.batch == "rank1_masked":
         rows.response_mask[4:] = 0
@@ -136,13 +140,15 @@ def _worker(case: Case, model_dir: Path) -> Any:
             VerlReductionSettings,
         )
 
-        settings = VerlReductionSettings(
-            mode=case.mode,
-            divisor=case.divisor,
-            normalizer=case.normalizer,
-            coordinator=case.coordinator,
-            on_empty_step=case.on_empty_step,
-            job=f"test-{case.name}",
+        settings = VerlReductionSettings.model_validate(
+            {
+                "mode": case.mode,
+                "divisor": case.divisor,
+                "normalizer": case.normalizer,
+                "coordinator": case.coordinator,
+                "on_empty_step": case.on_empty_step,
+                "job": f"test-{case.name}",
+            }
         )
         worker = LossReduceTrainingWorker(config, reduction=settings)
     worker.reset()
