@@ -22,14 +22,12 @@ from torch.multiprocessing.spawn import spawn
 
 from tests.trainer_worker.integrations.verl import tiny_verl
 
-PLATFORM_MODULE = "tests.trainer_worker.integrations.verl.cpu_platform"
-
-# What every test process needs before it imports verl: its CPU platform, and the
-# FSDP engine's registry entry, which exists only for cuda/npu.
+# What every test process needs before it imports verl: lossreduce's CPU platform for
+# verl (bench.CPU_ENV's values), plus quiet logs and no hub.
 VERL_ENV = {
     "VERL_PLATFORM": "cpu",
     "VERL_ENGINE_DEVICE": "cuda",
-    "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULE,
+    "VERL_USE_EXTERNAL_MODULES": "lossreduce.trainer_worker.integrations.verl.cpu_platform",
     "VERL_LOGGING_LEVEL": "ERROR",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",

@@ -1,10 +1,12 @@
-"""A CPU platform for verl, so its real engine workers run here without a GPU.
+"""A CPU platform for verl, so its real engine workers run without a GPU.
 
-verl 0.9.1 ships platforms for CUDA, ROCm and Ascend only. This test-only
-module registers ``cpu`` (loaded in every test process through
-``VERL_USE_EXTERNAL_MODULES``, selected with ``VERL_PLATFORM=cpu``): the device
-module is ``torch.cpu`` plus the memory statistics verl logs (zeros), and the
-collective backend is gloo. It is test setup, not part of lossreduce.
+verl 0.9.1 ships platforms for CUDA, ROCm and Ascend only. This module
+registers ``cpu`` when imported: load it in every process with
+``VERL_USE_EXTERNAL_MODULES=lossreduce.trainer_worker.integrations.verl.cpu_platform``
+and select it with ``VERL_PLATFORM=cpu`` (all of it: :data:`.bench.CPU_ENV`). The device
+module is ``torch.cpu`` plus the memory statistics verl logs (zeros); the
+collective backend is gloo. Only CPU-only runs need it (the tests, the bench);
+a GPU run never imports it. It imports nothing of lossreduce beyond this.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import torch
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
+
+__all__ = ["PlatformCPU"]
 
 
 def _zero(*_: object, **__: object) -> int:
