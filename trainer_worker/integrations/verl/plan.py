@@ -8,7 +8,7 @@ its rows (``D_i`` = tokens of row ``i`` under the response mask):
 
     pg = (sum over rows i of w_i * sum_t l[i,t] * m[i,t]) / N
 
-with the weights and partials of :func:`lossreduce.trainer_worker.integrations.step_rows.plan_rows`
+with the weights and partials of :func:`lossreduce.trainer_worker.step_rows.plan_rows`
 (``token_mean``: ``w_i = 1``; ``seq_mean``: ``1 / D_i``; ``prompt_mean``:
 ``1 / D_g`` of the row's group over every rank; ``constant``: ``1 / C``). A
 row without active tokens has weight 0 and is counted nowhere. The KL and
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lossreduce.trainer_worker.integrations.step_rows import StepRows, plan_rows
+from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
 
 __all__ = [

@@ -54,7 +54,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.workers.utils.losses import ppo_loss
 
 from lossreduce.errors import EmptyNormalizerError, InvalidPartialError, ReductionInputError
-from lossreduce.trainer_worker.integrations.step_rows import StepRows
+from lossreduce.trainer_worker.step_rows import StepRows
 from lossreduce.trainer_worker.integrations.verl.loss import (
     ROW_WEIGHT_KEY,
     StepNormalizers,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lossreduce.errors import ReductionConfigError
-from lossreduce.trainer_worker.integrations.step_rows import StepRows
+from lossreduce.trainer_worker.step_rows import StepRows
 from lossreduce.trainer_worker.integrations.verl.options import (
     actor_problems,
     engine_problems,
