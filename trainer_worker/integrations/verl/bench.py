@@ -182,6 +182,7 @@ def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> A
             model_dtype="fp32",
             mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
             use_torch_compile=False,
+            use_dynamic_bsz=False,
             micro_batch_size_per_gpu=settings.micro_batch_size,
         ),
         optimizer_config=FSDPOptimizerConfig(lr=1e-4),
