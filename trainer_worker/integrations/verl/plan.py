@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
+from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
 
 __all__ = [
     "ENTROPY_TERM",

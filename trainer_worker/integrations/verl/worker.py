@@ -54,7 +54,6 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.workers.utils.losses import ppo_loss
 
 from lossreduce.errors import EmptyNormalizerError, InvalidPartialError, ReductionInputError
-from lossreduce.trainer_worker.step_rows import StepRows
 from lossreduce.trainer_worker.integrations.verl.loss import (
     ROW_WEIGHT_KEY,
     StepNormalizers,
@@ -81,6 +80,7 @@ from lossreduce.trainer_worker.normalizers import (
     TorchDistributedNormalizer,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
+from lossreduce.trainer_worker.step_rows import StepRows
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from lossreduce.errors import ReductionConfigError
-from lossreduce.trainer_worker.step_rows import StepRows
 from lossreduce.trainer_worker.integrations.verl.options import (
     actor_problems,
     engine_problems,
@@ -25,6 +24,7 @@ from lossreduce.trainer_worker.integrations.verl.options import (
 from lossreduce.trainer_worker.integrations.verl.plan import bad_inputs, group_ids, plan_mini_batch
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
+from lossreduce.trainer_worker.step_rows import StepRows
 
 
 def actor(**fields: Any) -> Any:
@@ -222,3 +222,40 @@ def test_the_trainer_mode_swaps_only_the_actor_workers() -> None:
     assert ours.__ray_actor_class__ is LossReduceActorRolloutRefWorker
     assert swapped[Role.RefPolicy] is stock
     assert swapped[Role.Critic] is critic
+
+
+def test_the_actor_rollout_worker_reads_its_settings_from_the_lossreduce_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``+actor_rollout_ref.lossreduce.<field>=...`` reaches the actor worker it builds."""
+    from omegaconf import OmegaConf
+
+    from lossreduce.ports import free_port
+    from lossreduce.trainer_worker.integrations.verl import (
+        LossReduceActorRolloutRefWorker,
+        LossReduceTrainingWorker,
+    )
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("LOSSREDUCE_JOB", "from-env")
+    config = OmegaConf.create(
+        {
+            "actor": {"strategy": "fsdp2"},
+            "rollout": {},
+            "ref": {},
+            "lossreduce": {"mode": "constant", "divisor": 64},
+        }
+    )
+    worker = LossReduceActorRolloutRefWorker(config, "actor_rollout")
+    settings = worker.reduction_settings
+    assert (settings.mode, settings.divisor, settings.job) == (
+        PolicyGradientMode.CONSTANT,
+        64.0,
+        "from-env",
+    )
+    build: Any = worker.actor_worker_cls
+    assert build.func is LossReduceTrainingWorker
+    assert build.keywords == {"reduction": settings}
