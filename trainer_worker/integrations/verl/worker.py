@@ -53,7 +53,12 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.workers.utils.losses import ppo_loss
 
-from lossreduce.errors import EmptyNormalizerError, InvalidPartialError, ReductionInputError
+from lossreduce.errors import (
+    EmptyNormalizerError,
+    InvalidPartialError,
+    RankContext,
+    ReductionInputError,
+)
 from lossreduce.trainer_worker.integrations.verl.loss import (
     ROW_WEIGHT_KEY,
     StepNormalizers,
@@ -255,13 +260,10 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         except InvalidPartialError as err:
             if not bad:
                 raise
-            raise InvalidPartialError(
-                f"{err.message.split(':', 1)[0]}: bad input at active tokens "
-                f"({'; '.join(bad)}); no rank trains on this mini-batch",
-                job=err.job,
-                group=err.group,
-                step=err.step,
-                rank=err.rank,
+            here = RankContext(err.job, err.group, step, self.engine.get_data_parallel_rank())
+            raise here.error(
+                InvalidPartialError,
+                f"bad input at active tokens ({'; '.join(bad)}); no rank trains on this mini-batch",
                 terms=(POLICY_TERM,),
                 values=(math.nan,),
             ) from err
