@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 # Extra pytest flags, e.g. `make test PYTEST_ARGS="-k round_table -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck linked-tree docs pytest proto install install-dev bench clean
+.PHONY: demo test lint typecheck linked-tree docs pytest test-verl proto install install-dev bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
@@ -58,9 +58,28 @@ docs: $(VENV)/.installed-dev linked-tree
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 pytest: $(VENV)/.installed-dev
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest --ignore=tests/trainer_worker/integrations/verl $(PYTEST_ARGS)
 
-test: lint docs typecheck pytest
+# verl 0.9.1 pins transformers<5.11 (the trl extra needs >=5.24): its tests run in
+# an environment of their own. verl itself goes in --no-deps (its GPU-only
+# dependencies are never imported on this path); its wheel also installs its own
+# test suite as a top-level `tests` package, which would shadow ours, so that
+# folder is removed.
+VERL_VENV := .venv-verl
+VERL_PY   := $(VERL_VENV)/bin/python
+VERL_REQS := tests/trainer_worker/integrations/verl/requirements.txt
+$(VERL_VENV)/.installed: pyproject.toml $(VERL_REQS)
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install --quiet --upgrade pip
+	PYTHONWARNINGS="ignore:Editable installation" $(VERL_PY) -m pip install --quiet torch==2.13.0 -e . -r $(VERL_REQS)
+	$(VERL_PY) -m pip install --quiet --no-deps verl==0.9.1
+	rm -rf "$$($(VERL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
+	touch $@
+
+test-verl: $(VERL_VENV)/.installed
+	$(VERL_VENV)/bin/pytest tests/trainer_worker/integrations/verl $(PYTEST_ARGS)
+
+test: lint docs typecheck pytest test-verl
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
@@ -70,4 +89,4 @@ bench: $(VENV)/.installed
 	$(BIN)/lossreduce bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis

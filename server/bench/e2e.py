@@ -23,6 +23,7 @@ __all__ = [
     "abba",
     "run_e2e",
     "run_trl_e2e",
+    "run_verl_e2e",
     "step_seconds",
 ]
 
@@ -142,3 +143,28 @@ def run_trl_e2e() -> dict[str, float | int | bool] | None:
         "ratio": result.ratio,
         "met": result.ratio <= TRL_TARGET_RATIO,
     }
+
+
+def run_verl_e2e() -> dict[str, float | int | bool] | None:
+    """A verl actor mini-batch step with lossreduce's normalizers vs verl's own
+    ``token-mean`` (median over steps, ABBA order, one process): the ratio and whether
+    it meets :data:`TRL_TARGET_RATIO` (the same 3%); None, said in one line, when verl
+    is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        print("  verl step: skipped (verl is not installed: pip install 'lossreduce[verl]')")
+        return None
+    # Imports verl only inside run_verl_bench, after choosing its platform.
+    from lossreduce.trainer_worker.integrations.verl.bench import run_verl_bench
+
+    result = run_verl_bench()
+    met = result.ratio <= TRL_TARGET_RATIO
+    print(
+        f"  verl step: lossreduce {result.lossreduce_step_s * 1e3:.1f} ms vs token-mean "
+        f"{result.verl_step_s * 1e3:.1f} ms (median of {result.lossreduce_steps} / "
+        f"{result.verl_steps} steps, ABBA): ratio {result.ratio:.3f}, target <= "
+        f"{TRL_TARGET_RATIO} {'met' if met else 'NOT met'}",
+        flush=True,
+    )
+    return {**dict(vars(result)), "ratio": result.ratio, "met": met}

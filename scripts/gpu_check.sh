@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The CUDA/nccl paths of every engine in a few minutes, on a machine with a GPU.
+#
+# Needs a Python environment with CUDA torch 2.13, lossreduce ('.[trl]') and, for the
+# verl part, verl 0.9.1 as in tests/trainer_worker/integrations/verl/requirements.txt;
+# point PYTHON at it (default: .venv-verl/bin/python). Nothing is downloaded here:
+# the model is a tiny Qwen2 built in code. Prints one line per check and exits
+# non-zero if any check fails.
+#
+#   1. lossreduce train --engine torch: 1 Ray worker on the GPU, nccl process group,
+#      torch.distributed normalizers, --verify against a one-process replay;
+#   2. lossreduce train --engine trl: TRL on CUDA;
+#   3. verl's FSDP2 engine on CUDA: stock TrainingWorker vs LossReduceTrainingWorker
+#      on one mini-batch (same update in token_mean, the normalizers), and the
+#      device-to-host syncs per mini-batch step of each (torch's sync debug mode).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv-verl/bin/python}
+BIN=$(dirname "$PYTHON")
+OUT=${OUT:-/tmp/lossreduce-gpu-check}
+mkdir -p "$OUT"
+failed=0
+
+check() {
+  local name=$1
+  shift
+  local started=$SECONDS
+  if timeout 240 "$@" >"$OUT/$name.log" 2>&1; then
+    echo "PASS $name ($((SECONDS - started)) s)"
+  else
+    echo "FAIL $name ($((SECONDS - started)) s): see $OUT/$name.log"
+    tail -20 "$OUT/$name.log"
+    failed=1
+  fi
+}
+
+"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))" || exit 2
+
+check torch-nccl "$BIN/lossreduce" train --engine torch --workers 1 --steps 5 --verify --out "$OUT/torch"
+check trl-cuda "$BIN/lossreduce" train --engine trl --workers 1 --steps 3 --out "$OUT/trl"
+check verl-fsdp2-cuda "$PYTHON" scripts/gpu_check_verl.py "$OUT/verl.json"
+[ -f "$OUT/verl.json" ] && cat "$OUT/verl.json"
+exit $failed

@@ -1,0 +1,261 @@
+"""The verl options lossreduce's actor refuses at start, the mini-batch plan, the settings,
+and how a verl launch finds the worker (entry point, trainer mode, worker swap)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from functools import partial
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.verl.options import (
+    actor_problems,
+    engine_problems,
+    raise_problems,
+)
+from lossreduce.trainer_worker.integrations.verl.plan import bad_inputs, group_ids, plan_mini_batch
+from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
+from lossreduce.trainer_worker.step_rows import StepRows
+
+
+def actor(**fields: Any) -> Any:
+    from verl.workers.config import ActorConfig
+
+    base: dict[str, Any] = {
+        "strategy": "fsdp2",
+        "ppo_mini_batch_size": 8,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "rollout_n": 1,
+    }
+    return ActorConfig(**{**base, **fields})
+
+
+def settings(**fields: Any) -> VerlReductionSettings:
+    return VerlReductionSettings(**fields)
+
+
+# -- refusals -------------------------------------------------------------------------
+
+
+def test_the_defaults_are_honoured_in_every_mode() -> None:
+    for mode, divisor in [
+        ("token_mean", None),
+        ("seq_mean", None),
+        ("prompt_mean", None),
+        ("constant", 5.0),
+    ]:
+        assert actor_problems(actor(), settings(mode=mode, divisor=divisor)) == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "agg"),
+    [
+        ("token_mean", "token-mean"),
+        ("seq_mean", "seq-mean-token-mean"),
+        ("constant", "seq-mean-token-sum-norm"),
+    ],
+)
+def test_the_verl_mode_that_means_the_same_is_accepted(mode: str, agg: str) -> None:
+    divisor = 5.0 if mode == "constant" else None
+    assert actor_problems(actor(loss_agg_mode=agg), settings(mode=mode, divisor=divisor)) == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "agg"),
+    [
+        ("token_mean", "seq-mean-token-mean"),
+        ("seq_mean", "token-sum"),
+        ("prompt_mean", "seq-mean-token-sum"),
+        ("constant", "seq-mean-token-mean"),
+    ],
+)
+def test_a_loss_agg_mode_that_would_be_silently_replaced_is_refused(mode: str, agg: str) -> None:
+    divisor = 5.0 if mode == "constant" else None
+    (problem,) = actor_problems(actor(loss_agg_mode=agg), settings(mode=mode, divisor=divisor))
+    assert f"actor.loss_agg_mode={agg!r}" in problem
+    assert mode in problem
+
+
+def test_a_loss_scale_factor_other_than_the_divisor_is_refused() -> None:
+    (problem,) = actor_problems(actor(loss_scale_factor=7), settings(mode="constant", divisor=5))
+    assert "actor.loss_scale_factor=7" in problem
+    assert actor_problems(actor(loss_scale_factor=5), settings(mode="constant", divisor=5)) == []
+
+
+def test_an_untested_policy_loss_and_megatron_are_refused_naming_the_option() -> None:
+    problems = actor_problems(actor(policy_loss={"loss_mode": "gspo"}), settings())
+    assert any("actor.policy_loss.loss_mode='gspo'" in p for p in problems)
+    (problem,) = engine_problems(type("Engine", (), {"strategy": "megatron"})())
+    assert "actor.strategy='megatron'" in problem
+    assert engine_problems(type("Engine", (), {"strategy": "fsdp2"})()) == []
+
+
+def test_every_problem_is_named_in_one_error() -> None:
+    with pytest.raises(ReductionConfigError, match=r"cannot honour: a; b") as info:
+        raise_problems(["a", "b"], settings(job="j"))
+    assert info.value.job == "j"
+
+
+def test_the_worker_refuses_a_loss_other_than_verls_ppo_loss() -> None:
+    from verl.workers.utils.losses import sft_loss
+
+    from lossreduce.trainer_worker.integrations.verl import LossReduceTrainingWorker
+
+    worker = LossReduceTrainingWorker.__new__(LossReduceTrainingWorker)
+    worker.reduction_settings = settings()
+    with pytest.raises(ReductionConfigError, match="only verl's ppo_loss"):
+        worker.set_loss_fn(partial(sft_loss, config=actor()))
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+def test_settings_read_lossreduce_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOSSREDUCE_MODE", "constant")
+    monkeypatch.setenv("LOSSREDUCE_DIVISOR", "512")
+    got = VerlReductionSettings()
+    assert got.reduction.contract_for("sum") == "sum:constant:divisor=512"
+    assert (
+        VerlReductionSettings(mode=PolicyGradientMode.SEQ_MEAN, divisor=None).mode.value
+        == "seq_mean"
+    )
+
+
+def test_the_coordinator_backend_needs_an_address() -> None:
+    with pytest.raises(ValueError, match="needs coordinator=HOST:PORT"):
+        VerlReductionSettings(normalizer="coordinator")
+
+
+# -- the plan ----------------------------------------------------------------------------
+
+
+def rows(tokens: list[float], groups: list[int], process: list[int]) -> StepRows:
+    n = len(tokens)
+    return StepRows(
+        process=torch.tensor(process),
+        window=torch.zeros(n, dtype=torch.long),
+        group=torch.tensor(groups),
+        tokens=torch.tensor(tokens, dtype=torch.float64),
+    )
+
+
+def test_the_plan_counts_active_units_only() -> None:
+    batch = rows([3, 0, 2, 4], [0, 0, 1, 1], [0, 0, 1, 1])
+    seq = plan_mini_batch(PolicyGradientReduction("seq_mean"), batch, 0, kl=True, entropy=False)
+    assert float(seq.partials["pg"]) == 1.0  # the masked row is not counted
+    assert float(seq.partials["kl"]) == 3.0
+    assert "entropy" not in seq.partials
+    assert seq.weights.tolist() == [1 / 3, 0.0]
+    assert seq.contracts == {"pg": "sum:seq_mean", "kl": "sum:token_mean"}
+    groups = plan_mini_batch(
+        PolicyGradientReduction("prompt_mean"), batch, 1, kl=False, entropy=True
+    )
+    assert float(groups.partials["pg"]) == 1.0  # group 1 lives on rank 1
+    assert groups.weights.tolist() == [1 / 6, 1 / 6]
+
+
+def test_group_ids_number_uids_in_order_of_appearance() -> None:
+    assert group_ids(["b", "a", "b", "c"]) == [0, 1, 0, 2]
+
+
+def test_bad_inputs_name_the_input_its_value_and_rows_and_ignore_masked_positions() -> None:
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([[0.0, math.nan], [1.0, math.inf]])
+    assert bad_inputs(mask, {"advantages": adv}) == [
+        "advantages: nan at 1 active tokens of rows [0]"
+    ]
+    assert bad_inputs(torch.tensor([[1, 0], [1, 0]]), {"advantages": adv}) == []
+
+
+# -- how a verl launch finds the worker -------------------------------------------------------
+
+
+def test_the_verl_plugins_entry_point_names_the_plugin_module() -> None:
+    (point,) = [p for p in entry_points(group="verl.plugins") if p.name == "lossreduce"]
+    assert point.value == "lossreduce.trainer_worker.integrations.verl.plugin"
+
+
+def test_importing_verl_registers_the_lossreduce_trainer_mode() -> None:
+    """A fresh process: ``import verl`` loads the entry point, as every verl process does."""
+    code = (
+        "import verl\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "print(get_trainer_cls('lossreduce').__name__)\n"
+    )
+    env = {**os.environ, "VERL_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).resolve().parents[4],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "LossReducePPOTrainer"
+
+
+def test_the_trainer_mode_swaps_only_the_actor_workers() -> None:
+    import ray
+    from verl.trainer.ppo.utils import Role
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    from lossreduce.trainer_worker.integrations.verl import LossReduceActorRolloutRefWorker
+    from lossreduce.trainer_worker.integrations.verl.plugin import actor_worker_mapping
+
+    stock = ray.remote(ActorRolloutRefWorker)
+    critic = ray.remote(TrainingWorker)
+    swapped = actor_worker_mapping(
+        {Role.ActorRollout: stock, Role.RefPolicy: stock, Role.Critic: critic}
+    )
+    ours: Any = swapped[Role.ActorRollout]
+    assert ours.__ray_actor_class__ is LossReduceActorRolloutRefWorker
+    assert swapped[Role.RefPolicy] is stock
+    assert swapped[Role.Critic] is critic
+
+
+def test_the_actor_rollout_worker_reads_its_settings_from_the_lossreduce_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``+actor_rollout_ref.lossreduce.<field>=...`` reaches the actor worker it builds."""
+    from omegaconf import OmegaConf
+
+    from lossreduce.ports import free_port
+    from lossreduce.trainer_worker.integrations.verl import (
+        LossReduceActorRolloutRefWorker,
+        LossReduceTrainingWorker,
+    )
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("LOSSREDUCE_JOB", "from-env")
+    config = OmegaConf.create(
+        {
+            "actor": {"strategy": "fsdp2"},
+            "rollout": {},
+            "ref": {},
+            "lossreduce": {"mode": "constant", "divisor": 64},
+        }
+    )
+    worker = LossReduceActorRolloutRefWorker(config, "actor_rollout")
+    settings = worker.reduction_settings
+    assert (settings.mode, settings.divisor, settings.job) == (
+        PolicyGradientMode.CONSTANT,
+        64.0,
+        "from-env",
+    )
+    build: Any = worker.actor_worker_cls
+    assert build.func is LossReduceTrainingWorker
+    assert build.keywords == {"reduction": settings}

@@ -1,0 +1,383 @@
+"""LossReduceTrainingWorker against verl 0.9.1's real engine worker on CPU.
+
+verl's ``TrainingWorker`` with its FSDP2 engine runs one PPO mini-batch
+(``train_mini_batch``) per case on a tiny Qwen2, on one rank and on two gloo
+ranks, and the tests read the cached results. With plain SGD (lr 1) the update
+is minus the gradient, so the expected update comes from
+:func:`tiny_verl.reference_grads`, the formulas of the reduction semantics
+evaluated on the whole mini-batch in one process, without verl. Every case has
+the KL loss and the entropy bonus on unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lossreduce.ports import free_port
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from tests.conftest import TEST_SETTINGS
+from tests.trainer_worker.integrations.verl import tiny_verl
+from tests.trainer_worker.integrations.verl.verl_runs import LR, Case, run
+
+DIVISOR = float(tiny_verl.RESPONSE_LEN)
+MODES: dict[str, float | None] = {
+    "token_mean": None,
+    "seq_mean": None,
+    "prompt_mean": None,
+    "constant": DIVISOR,
+}
+# (ranks, micro-batch size per rank, use_dynamic_bsz): 8 responses in one mini-batch.
+SPLITS: dict[str, tuple[int, int, bool]] = {
+    "dp1-mb4": (1, 4, False),
+    "dp1-dyn": (1, 4, True),
+    "dp2-mb1": (2, 1, False),
+    "dp2-mb2": (2, 2, False),
+    "dp2-dyn": (2, 2, True),
+}
+# verl's own modes, measured on the same data (the docs' table): name -> Case fields.
+VERL_MODES: dict[str, dict[str, Any]] = {
+    "token-mean": {"loss_agg_mode": "token-mean"},
+    "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean"},
+    "seq-mean-token-sum-norm": {
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "loss_scale_factor": tiny_verl.RESPONSE_LEN,
+    },
+}
+UPDATE_RTOL = 1e-6
+"""|update - other| / |other| over all parameters between two verl runs (splits,
+backends, verl's own modes): float32 reordering is ~2e-7 here; a wrong normalizer
+is off by 1/8 or more."""
+FORMULA_RTOL = 1e-5
+"""The same against the one-process reference (Hugging Face's forward, not verl's
+engine): ~5e-7 with every term, up to ~2e-6 for the smaller policy-gradient-only update."""
+PG_ONLY: dict[str, Any] = {"kl": False, "entropy_coeff": 0.0}
+
+
+def split_cases(world: int) -> list[Case]:
+    return [
+        Case(f"{mode}-{split}", mode=mode, divisor=divisor, micro=micro, dynamic=dynamic)
+        for split, (ranks, micro, dynamic) in SPLITS.items()
+        if ranks == world
+        for mode, divisor in MODES.items()
+    ]
+
+
+def verl_mode_cases(world: int) -> list[Case]:
+    split = "dp2-mb2" if world == 2 else "dp1-mb4"
+    micro = SPLITS[split][1]
+    cases = [
+        Case(f"verl-{agg}-{split}", worker="verl", micro=micro, **fields)
+        for agg, fields in VERL_MODES.items()
+    ]
+    if world == 2:
+        cases += [
+            Case(
+                f"verl-{agg}-empty", worker="verl", batch="all_masked", optimizer="adamw", **fields
+            )
+            for agg, fields in VERL_MODES.items()
+        ]
+    return cases
+
+
+def dp2_cases(target: str) -> list[Case]:
+    return [
+        *split_cases(2),
+        *verl_mode_cases(2),
+        # verl's own modes next to lossreduce's on the same data.
+        Case(
+            "verl-seq-mean-dense",
+            worker="verl",
+            loss_agg_mode="seq-mean-token-mean",
+            batch="dense",
+            **PG_ONLY,
+        ),
+        Case("seq_mean-dense", mode="seq_mean", batch="dense", **PG_ONLY),
+        Case(
+            "verl-sum-norm-dense",
+            worker="verl",
+            loss_agg_mode="seq-mean-token-sum-norm",
+            loss_scale_factor=tiny_verl.RESPONSE_LEN,
+            batch="dense",
+            **PG_ONLY,
+        ),
+        Case("constant-dense", mode="constant", divisor=DIVISOR, batch="dense", **PG_ONLY),
+        # One response of 8 fully masked: verl still divides by 8.
+        Case("verl-seq-mean", worker="verl", loss_agg_mode="seq-mean-token-mean", **PG_ONLY),
+        Case("seq_mean-pg", mode="seq_mean", **PG_ONLY),
+        # Bad input.
+        Case("rank1-masked", mode="seq_mean", batch="rank1_masked"),
+        Case("empty-raise", batch="all_masked"),
+        Case("empty-skip", batch="all_masked", on_empty_step="skip", optimizer="adamw"),
+        Case("nan-advantage", mode="prompt_mean", batch="nan_advantage"),
+        Case("masked-nan", mode="prompt_mean", batch="masked_nan"),
+        # Backends, epochs and mini-batches.
+        Case("coordinator", mode="prompt_mean", normalizer="coordinator", coordinator=target),
+        Case(
+            "coordinator-skip",
+            batch="all_masked",
+            on_empty_step="skip",
+            optimizer="adamw",
+            normalizer="coordinator",
+            coordinator=target,
+        ),
+        Case("two-epochs-two-mini-batches", mode="prompt_mean", epochs=2, mini_batches=2),
+    ]
+
+
+def dp1_cases() -> list[Case]:
+    return [
+        *split_cases(1),
+        *verl_mode_cases(1),
+        Case(
+            "two-epochs-two-mini-batches",
+            mode="prompt_mean",
+            epochs=2,
+            mini_batches=2,
+            batch="interleaved",
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_verl.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def coordinator_target() -> Iterator[str]:
+    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
+    yield thread.target
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def results(
+    model_dir: Path, coordinator_target: str, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[int], list[dict[str, Any]]]:
+    """ranks -> every rank's results of its cases (run once per module)."""
+    cache: dict[int, list[dict[str, Any]]] = {}
+    root = Path(__file__).resolve().parents[4]
+
+    def get(world: int) -> list[dict[str, Any]]:
+        if world not in cache:
+            cases = dp2_cases(coordinator_target) if world == 2 else dp1_cases()
+            out = tmp_path_factory.mktemp(f"dp{world}")
+            with pytest.MonkeyPatch.context() as patch:
+                # Spawned ranks import the run module (and verl its CPU platform) by name.
+                patch.syspath_prepend(str(root))
+                cache[world] = run(world, cases, model_dir, out, free_port())
+            for rank, result in enumerate(cache[world]):
+                assert "crash" not in result, f"dp{world} rank {rank}: {result['crash']}"
+        return cache[world]
+
+    return get
+
+
+def case_results(
+    results: Callable[[int], list[dict[str, Any]]], world: int, case: str, *, ok: bool = True
+) -> list[dict[str, Any]]:
+    per_rank = [r[case] for r in results(world)]
+    if ok:
+        for rank, result in enumerate(per_rank):
+            assert "error" not in result, f"dp{world} {case} rank {rank}: {result['traceback']}"
+    return per_rank
+
+
+def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    num = sum(float(((got[n] - want[n]).double() ** 2).sum()) for n in want)
+    den = sum(float((want[n].double() ** 2).sum()) for n in want)
+    return math.sqrt(num / den)
+
+
+def reference_update(
+    model_dir: Path, batch: tiny_verl.Rows, mode: str, **terms: float
+) -> dict[str, torch.Tensor]:
+    grads = tiny_verl.reference_grads(model_dir, batch, mode, MODES[mode], **terms)
+    return {n: -LR * g for n, g in grads.items()}
+
+
+def is_zero(update: dict[str, torch.Tensor]) -> bool:
+    return all(not bool(delta.any()) for delta in update.values())
+
+
+# -- split invariance -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_one_mini_batch_equals_the_formula_whatever_the_split(
+    results: Callable[[int], list[dict[str, Any]]], model_dir: Path, split: str, mode: str
+) -> None:
+    world = SPLITS[split][0]
+    per_rank = case_results(results, world, f"{mode}-{split}")
+    want = reference_update(model_dir, tiny_verl.rows(), mode)
+    (first,) = case_results(results, 1, f"{mode}-dp1-mb4")
+    for rank, result in enumerate(per_rank):
+        assert relative(result["update"], want) <= FORMULA_RTOL, (split, mode, rank)
+        assert relative(result["update"], first["update"]) <= UPDATE_RTOL, (split, mode, rank)
+    for result in per_rank[1:]:
+        for name, delta in per_rank[0]["update"].items():
+            assert torch.equal(result["update"][name], delta), name
+
+
+def test_several_mini_batches_and_epochs_train_the_same_on_one_and_two_ranks(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    (one,) = case_results(results, 1, "two-epochs-two-mini-batches")
+    two = case_results(results, 2, "two-epochs-two-mini-batches")
+    assert relative(two[0]["update"], one["update"]) <= UPDATE_RTOL
+    assert one["normalizers"] == two[0]["normalizers"]
+    assert not is_zero(one["update"])
+
+
+def test_the_normalizers_count_active_units_over_the_data_parallel_group(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    """22 active tokens, 7 active responses of 8, 2 prompt groups, on either layout."""
+    want_pg = {"token_mean": 22.0, "seq_mean": 7.0, "prompt_mean": 2.0, "constant": 7.0}
+    for split, (world, _, _) in SPLITS.items():
+        for mode, pg in want_pg.items():
+            for result in case_results(results, world, f"{mode}-{split}"):
+                assert result["normalizers"] == {"pg": pg, "kl": 22.0, "entropy": 22.0}
+
+
+# -- verl's own modes on the same data ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ours", "verl"),
+    [
+        ("token_mean-dp2-mb2", "verl-token-mean-dp2-mb2"),
+        ("seq_mean-dense", "verl-seq-mean-dense"),
+        ("constant-dense", "verl-sum-norm-dense"),
+    ],
+)
+def test_equals_verl_where_the_two_mean_the_same(
+    results: Callable[[int], list[dict[str, Any]]], ours: str, verl: str
+) -> None:
+    for got, want in zip(
+        case_results(results, 2, ours), case_results(results, 2, verl), strict=True
+    ):
+        assert relative(got["update"], want["update"]) <= UPDATE_RTOL
+
+
+def test_verl_counts_a_fully_masked_response_and_lossreduce_does_not(
+    results: Callable[[int], list[dict[str, Any]]], model_dir: Path
+) -> None:
+    """seq-mean-token-mean divides by verl's constant global_batch_size (8); one
+    response is fully masked, so lossreduce divides by 7 and verl's update is 7/8 of it."""
+    verl = case_results(results, 2, "verl-seq-mean")
+    ours = case_results(results, 2, "seq_mean-pg")
+    want = reference_update(model_dir, tiny_verl.rows(), "seq_mean", kl_coef=0.0, entropy_coeff=0.0)
+    for got, theirs in zip(ours, verl, strict=True):
+        assert got["normalizers"] == {"pg": 7.0}
+        assert relative(got["update"], want) <= FORMULA_RTOL
+        scaled = {n: d * (7.0 / 8.0) for n, d in got["update"].items()}
+        assert relative(theirs["update"], scaled) <= FORMULA_RTOL
+        assert relative(theirs["update"], got["update"]) >= 0.12
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def test_a_rank_without_active_tokens_takes_part_and_the_other_trains(
+    results: Callable[[int], list[dict[str, Any]]], model_dir: Path
+) -> None:
+    batch = tiny_verl.rows()
+    batch.response_mask[4:] = 0
+    want = reference_update(model_dir, batch, "seq_mean")
+    for result in case_results(results, 2, "rank1-masked"):
+        assert result["normalizers"] == {"pg": 4.0, "kl": 14.0, "entropy": 14.0}
+        assert relative(result["update"], want) <= FORMULA_RTOL
+
+
+def test_an_empty_mini_batch_raises_the_same_error_on_every_rank_before_any_step(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    for result in case_results(results, 2, "empty-raise", ok=False):
+        assert result["error"]["type"] == "EmptyNormalizerError", result.get("traceback")
+        assert set(result["error"]["terms"]) == {"pg", "kl", "entropy"}
+        assert is_zero(result["update"])
+        assert result["optimizer"] == {}
+
+
+@pytest.mark.parametrize("case", ["empty-skip", "coordinator-skip"])
+def test_an_empty_mini_batch_skipped_leaves_weights_and_adamw_untouched(
+    results: Callable[[int], list[dict[str, Any]]], case: str
+) -> None:
+    for result in case_results(results, 2, case):
+        assert result["skipped_steps"] == 1
+        assert is_zero(result["update"])
+        # AdamW never stepped: no state, no step counter, no weight decay.
+        assert result["optimizer"] == {}
+        assert all(math.isfinite(v) for v in result["metrics"]["loss"])
+
+
+@pytest.mark.parametrize("agg", list(VERL_MODES))
+def test_verl_decays_every_weight_and_counts_a_step_on_an_empty_mini_batch(
+    results: Callable[[int], list[dict[str, Any]]], agg: str
+) -> None:
+    """The empty-step column of the docs' table: the loss verl reports (NaN where it
+    divides by the 0 tokens it counted), a zero gradient, and an AdamW step anyway."""
+    for result in case_results(results, 2, f"verl-{agg}-empty"):
+        (loss,) = result["metrics"]["loss"]
+        assert math.isnan(loss) if agg == "token-mean" else loss == 0.0, loss
+        assert result["metrics"]["grad_norm"] == [0.0]
+        assert not is_zero(result["update"])  # weight decay alone moved the weights
+        steps = {float(s["step"]) for s in result["optimizer"].values()}
+        assert steps == {1.0}
+
+
+@pytest.mark.parametrize("agg", list(VERL_MODES))
+def test_verls_modes_are_split_invariant_with_the_kl_and_entropy_on(
+    results: Callable[[int], list[dict[str, Any]]], agg: str
+) -> None:
+    """The split-invariance column: one rank vs two, micro-batches of 4 vs 2."""
+    (one,) = case_results(results, 1, f"verl-{agg}-dp1-mb4")
+    for two in case_results(results, 2, f"verl-{agg}-dp2-mb2"):
+        assert relative(two["update"], one["update"]) <= UPDATE_RTOL
+
+
+def test_a_nan_advantage_fails_every_rank_before_any_backward_naming_the_rank(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    culprit, peer = case_results(results, 2, "nan-advantage", ok=False)[::-1]
+    assert culprit["error"]["type"] == "InvalidPartialError", culprit.get("traceback")
+    assert culprit["error"]["rank"] == 1
+    assert "advantages: nan at 1 active tokens of rows [2]" in culprit["error"]["message"]
+    assert "rank 1" in culprit["error"]["message"]
+    assert peer["error"]["type"] == "RoundAbortedError", peer.get("traceback")
+    assert 1 in peer["error"]["ranks"]
+    for result in (culprit, peer):
+        assert is_zero(result["update"])
+        assert result["optimizer"] == {}
+
+
+def test_a_nan_under_the_mask_reaches_neither_loss_nor_gradient(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    masked = case_results(results, 2, "masked-nan")
+    clean = case_results(results, 2, "prompt_mean-dp2-mb2")
+    for got, want in zip(masked, clean, strict=True):
+        for name, delta in want["update"].items():
+            assert torch.equal(got["update"][name], delta), name
+
+
+# -- backends -----------------------------------------------------------------------------
+
+
+def test_the_coordinator_backend_gives_the_torch_backends_update_bit_for_bit(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    coordinator = case_results(results, 2, "coordinator")
+    torch_backend = case_results(results, 2, "prompt_mean-dp2-mb2")
+    for got, want in zip(coordinator, torch_backend, strict=True):
+        assert got["normalizers"] == want["normalizers"]
+        for name, delta in want["update"].items():
+            assert torch.equal(got["update"][name], delta), name

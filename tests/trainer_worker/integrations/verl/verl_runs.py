@@ -1,0 +1,254 @@
+"""Runs of verl's real ``TrainingWorker`` and of ``LossReduceTrainingWorker`` on the tiny setup.
+
+A layout is a number of data-parallel ranks (1 or 2, gloo on loopback, spawned
+here); every rank of a layout runs the same list of :class:`Case` s in a row,
+each on a fresh worker (verl's FSDP2 engine on the CPU platform of
+:mod:`.cpu_platform`), one ``train_mini_batch`` call per case, and saves per
+case every parameter's update, the optimizer's state, the normalizers the
+worker used and any error.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.multiprocessing.spawn import spawn
+
+from tests.trainer_worker.integrations.verl import tiny_verl
+
+# What every test process needs before it imports verl: lossreduce's CPU platform for
+# verl (bench.CPU_ENV's values), plus quiet logs and no hub.
+VERL_ENV = {
+    "VERL_PLATFORM": "cpu",
+    "VERL_ENGINE_DEVICE": "cuda",
+    "VERL_USE_EXTERNAL_MODULES": "lossreduce.trainer_worker.integrations.verl.cpu_platform",
+    "VERL_LOGGING_LEVEL": "ERROR",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+LR = 1.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    worker: str = "lossreduce"  # or "verl": the stock TrainingWorker with ppo_loss
+    mode: str = "token_mean"
+    divisor: float | None = None
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None
+    micro: int = 2  # micro_batch_size_per_gpu
+    dynamic: bool = False  # use_dynamic_bsz with a 20-token budget
+    normalizer: str = "torch"
+    coordinator: str | None = None
+    on_empty_step: str = "raise"
+    batch: str = "default"  # see batch_of
+    optimizer: str = "sgd"  # sgd: the update is -LR * gradient; adamw: verl's default
+    epochs: int = 1
+    mini_batches: int = 1  # per train_mini_batch call
+    kl: bool = True
+    entropy_coeff: float = tiny_verl.ENTROPY_COEFF
+
+
+def batch_of(case: Case) -> tiny_verl.Rows:
+    if case.batch == "dense":
+        return tiny_verl.rows(masked_row=None)
+    if case.batch == "all_masked":
+        return tiny_verl.rows(all_masked=True)
+    if case.batch == "interleaved":
+        # On one rank, mini-batches of 4 in this order hold what two ranks' first
+        # and second mini-batches of 2 each hold.
+        return tiny_verl.select(tiny_verl.rows(), [0, 1, 4, 5, 2, 3, 6, 7])
+    rows = tiny_verl.rows()
+    if case.batch == "rank1_masked":
+        rows.response_mask[4:] = 0
+    elif case.batch == "nan_advantage":
+        rows.advantages[6, 1] = float("nan")
+    elif case.batch == "masked_nan":
+        rows.advantages[tiny_verl.MASKED_ROW] = float("nan")
+    return rows
+
+
+def _worker(case: Case, model_dir: Path) -> Any:
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import (
+        ActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    model = HFModelConfig(
+        path=str(model_dir),
+        use_remove_padding=False,
+        override_config={"attn_implementation": "eager"},
+    )
+    engine = FSDPEngineConfig(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_torch_compile=False,
+        micro_batch_size_per_gpu=case.micro,
+        max_token_len_per_gpu=20,
+        use_dynamic_bsz=case.dynamic,
+    )
+    optim = FSDPOptimizerConfig(
+        optimizer="SGD" if case.optimizer == "sgd" else "AdamW",
+        lr=LR if case.optimizer == "sgd" else 1e-2,
+        weight_decay=0.0 if case.optimizer == "sgd" else 0.1,
+        clip_grad=1e9,
+    )
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model,
+        engine_config=engine,
+        optimizer_config=optim,
+        checkpoint_config=CheckpointConfig(),
+    )
+    actor = ActorConfig(
+        strategy="fsdp2",
+        ppo_mini_batch_size=tiny_verl.BATCH // case.mini_batches,
+        ppo_micro_batch_size_per_gpu=case.micro,
+        use_dynamic_bsz=case.dynamic,
+        ppo_max_token_len_per_gpu=20,
+        loss_agg_mode=case.loss_agg_mode,
+        loss_scale_factor=case.loss_scale_factor,
+        use_kl_loss=case.kl,
+        kl_loss_coef=tiny_verl.KL_COEF,
+        kl_loss_type="low_var_kl",
+        entropy_coeff=case.entropy_coeff,
+        clip_ratio=tiny_verl.CLIP,
+        ppo_epochs=case.epochs,
+        rollout_n=1,
+    )
+    if case.worker == "verl":
+        worker = TrainingWorker(config)
+    else:
+        from lossreduce.trainer_worker.integrations.verl import (
+            LossReduceTrainingWorker,
+            VerlReductionSettings,
+        )
+
+        settings = VerlReductionSettings.model_validate(
+            {
+                "mode": case.mode,
+                "divisor": case.divisor,
+                "normalizer": case.normalizer,
+                "coordinator": case.coordinator,
+                "on_empty_step": case.on_empty_step,
+                "job": f"test-{case.name}",
+            }
+        )
+        worker = LossReduceTrainingWorker(config, reduction=settings)
+    worker.reset()
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    return worker
+
+
+def _params(worker: Any) -> dict[str, torch.Tensor]:
+    # FSDP2 shards parameters as DTensors; every rank gathers every parameter in order.
+    out = {}
+    for name, p in worker.engine.module.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().clone()
+    return out
+
+
+def _optimizer_state(worker: Any) -> dict[str, Any]:
+    state = worker.engine.optimizer.state_dict()["state"]
+    return {
+        str(k): {
+            n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            if isinstance(v, torch.Tensor)
+            else v
+            for n, v in s.items()
+        }
+        for k, s in state.items()
+    }
+
+
+def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, Any]:
+    worker = _worker(case, model_dir)
+    data = tiny_verl.tensordict(
+        tiny_verl.shard(batch_of(case), rank, world),
+        mini_batch_size=tiny_verl.BATCH // case.mini_batches,
+        epochs=case.epochs,
+    )
+    before = _params(worker)
+    result: dict[str, Any] = {}
+    try:
+        output = worker.train_mini_batch(data)
+        if output is not None:
+            result["metrics"] = dict(output["metrics"])
+    except Exception as err:
+        result["error"] = {
+            "type": type(err).__name__,
+            "message": str(err),
+            "rank": getattr(err, "rank", None),
+            "ranks": getattr(err, "ranks", ()),
+            "terms": getattr(err, "terms", ()),
+        }
+        result["traceback"] = traceback.format_exc()
+    after = _params(worker)
+    result["update"] = {n: after[n] - before[n] for n in before}
+    result["optimizer"] = _optimizer_state(worker)
+    result["normalizers"] = getattr(worker, "last_normalizers", None)
+    result["skipped_steps"] = getattr(worker, "skipped_steps", None)
+    close = getattr(worker, "close", None)
+    if close is not None:
+        close()
+    return result
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank of one layout runs."""
+
+    world: int
+    cases: list[Case]
+    model_dir: str
+    out_dir: str
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def run_layout(rank: int, job: Job) -> None:
+    """One rank: every case in a row; saves ``rank{rank}.pt``."""
+    os.environ.update(VERL_ENV)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(job.port),
+        RANK=str(rank),
+        LOCAL_RANK="0",
+        WORLD_SIZE=str(job.world),
+        LOCAL_WORLD_SIZE=str(job.world),
+    )
+    results: dict[str, Any] = {}
+    try:
+        # verl's own init asks for "cpu:gloo,cpu:gloo" on this platform; gloo alone it is.
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=job.world)
+        for case in job.cases:
+            results[case.name] = run_case(case, rank, job.world, Path(job.model_dir))
+    except Exception:
+        results["crash"] = traceback.format_exc()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    torch.save(results, Path(job.out_dir) / f"rank{rank}.pt")
+
+
+def run(world: int, cases: list[Case], model_dir: Path, out_dir: Path, port: int) -> list[Any]:
+    """Every rank's results of the cases on ``world`` spawned ranks."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job = Job(world, cases, str(model_dir), str(out_dir), port)
+    spawn(run_layout, args=(job,), nprocs=world, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

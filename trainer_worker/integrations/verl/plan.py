@@ -1,0 +1,100 @@
+"""One PPO mini-batch's row weights, partial normalizers and input check: pure torch.
+
+verl's engine splits a rank's mini-batch into micro-batches itself (by count,
+or by token budget with ``use_dynamic_bsz``, reordering rows), so nothing that
+depends on the split may enter the loss. Here the whole mini-batch is seen
+once, before that split, and the policy-gradient term is written as a sum over
+its rows (``D_i`` = tokens of row ``i`` under the response mask):
+
+    pg = (sum over rows i of w_i * sum_t l[i,t] * m[i,t]) / N
+
+with the weights and partials of :func:`lossreduce.trainer_worker.step_rows.plan_rows`
+(``token_mean``: ``w_i = 1``; ``seq_mean``: ``1 / D_i``; ``prompt_mean``:
+``1 / D_g`` of the row's group over every rank; ``constant``: ``1 / C``). A
+row without active tokens has weight 0 and is counted nowhere. The KL and
+entropy terms are token means, each with its own normalizer (the tokens).
+
+No verl, gRPC or process group here: the worker gathers what ranks must share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
+from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
+
+__all__ = [
+    "ENTROPY_TERM",
+    "KL_TERM",
+    "POLICY_TERM",
+    "MiniBatchPlan",
+    "bad_inputs",
+    "group_ids",
+    "plan_mini_batch",
+]
+
+POLICY_TERM = "pg"
+KL_TERM = "kl"
+ENTROPY_TERM = "entropy"
+
+
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """What one rank needs for one mini-batch: its rows' weights and its partials."""
+
+    weights: Tensor  # [B] float64: w_i of this rank's rows, in their order
+    partials: dict[str, Tensor]  # term -> this rank's partial normalizer, float64 0-d
+    contracts: dict[str, str]  # term -> its contract (what ranks compare)
+
+
+def group_ids(uids: list[str]) -> list[int]:
+    """Each row's prompt group as an int, numbered in order of first appearance."""
+    index: dict[str, int] = {}
+    return [index.setdefault(u, len(index)) for u in uids]
+
+
+def plan_mini_batch(
+    reduction: PolicyGradientReduction,
+    rows: StepRows,
+    rank: int,
+    *,
+    kl: bool,
+    entropy: bool,
+) -> MiniBatchPlan:
+    """Row weights and partials of rank ``rank`` for the mini-batch ``rows``.
+
+    ``rows`` holds every rank's rows for ``prompt_mean`` (a group's tokens and
+    its owner span ranks) and may hold this rank's rows alone otherwise.
+    """
+    plan = plan_rows(reduction, rows, rank, n_windows=1)
+    token_mean = PolicyGradientReduction("token_mean").contract_for("sum")
+    partials = {POLICY_TERM: torch.tensor(plan.policy_partials[0], dtype=torch.float64)}
+    contracts = {POLICY_TERM: reduction.contract_for("sum")}
+    tokens = torch.tensor(plan.token_partials[0], dtype=torch.float64)
+    for term, wanted in ((KL_TERM, kl), (ENTROPY_TERM, entropy)):
+        if wanted:
+            partials[term] = tokens.clone()
+            contracts[term] = token_mean
+    return MiniBatchPlan(weights=plan.weights, partials=partials, contracts=contracts)
+
+
+def bad_inputs(mask: Tensor, inputs: dict[str, Tensor]) -> list[str]:
+    """Each input (``[B, T]``, like ``mask``) with a NaN or inf where ``mask`` is set,
+    as ``"advantages: nan at 3 active tokens of rows [1, 4]"``; masked positions
+    are ignored (they are zeroed before the loss)."""
+    active = mask.bool()
+    found = []
+    for name, values in inputs.items():
+        bad = active & ~torch.isfinite(values)  # [B, T]
+        count = int(bad.sum())
+        if count:
+            first = float(values[bad][0])
+            rows = sorted({int(r) for r in bad.nonzero()[:, 0].tolist()})
+            what = "nan" if math.isnan(first) else repr(first)
+            found.append(f"{name}: {what} at {count} active tokens of rows {rows}")
+    return found

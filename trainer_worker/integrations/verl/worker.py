@@ -1,0 +1,336 @@
+"""verl's engine workers with lossreduce's validated global normalizers.
+
+:class:`LossReduceTrainingWorker` is verl's ``TrainingWorker`` with one seam
+changed: ``train_batch(data)``, which sees each *whole* PPO mini-batch (one
+optimizer step) before the engine splits it into micro-batches. There, once
+per mini-batch and before any forward:
+
+1. the rank computes each row's weight and one partial normalizer per term
+   (:mod:`.plan`: the policy gradient in lossreduce's mode; verl's KL loss and
+   entropy bonus as ``token_mean`` terms of their own), over active units only;
+2. the normalizer backend sums and validates the partials over the engine's
+   data-parallel group (``engine.get_data_parallel_group()``: with Ulysses
+   sequence parallelism, the ranks that hold different data; every rank of a
+   sequence-parallel group holds the same rows and reduces in its own round);
+3. the micro-batches run verl's engine with :func:`.loss.micro_batch_loss`,
+   which divides by those normalizers, never by verl's ``batch_num_tokens``
+   or ``global_batch_size``.
+
+Bad input gets the same answer on every rank before any backward: a NaN or
+inf advantage, log-probability or importance weight at an active token makes
+this rank send a NaN partial, so it raises
+:class:`~lossreduce.errors.InvalidPartialError` naming itself, the input and
+its value, and its peers :class:`~lossreduce.errors.RoundAbortedError`
+naming it. An empty mini-batch (no active token on any rank) raises
+:class:`~lossreduce.errors.EmptyNormalizerError` on every rank, or with
+``on_empty_step='skip'`` runs no forward, backward or optimizer step: weights,
+optimizer state and its step counter stay as they were (the learning-rate
+schedule still advances with verl's training steps).
+
+:class:`LossReduceActorRolloutRefWorker` is verl's ``ActorRolloutRefWorker``
+building its actor from this worker, with settings from its config's
+``lossreduce`` key (``+actor_rollout_ref.lossreduce.mode=seq_mean``) over
+``LOSSREDUCE_*`` variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from verl.single_controller.base.decorator import (
+    Dispatch,
+    make_nd_compute_dataproto_dispatch_fn,
+    register,
+)
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+from verl.workers.utils.losses import ppo_loss
+
+from lossreduce.errors import (
+    EmptyNormalizerError,
+    InvalidPartialError,
+    RankContext,
+    ReductionInputError,
+)
+from lossreduce.trainer_worker.integrations.verl.loss import (
+    ROW_WEIGHT_KEY,
+    StepNormalizers,
+    micro_batch_loss,
+    padded,
+)
+from lossreduce.trainer_worker.integrations.verl.options import (
+    actor_problems,
+    engine_problems,
+    raise_problems,
+)
+from lossreduce.trainer_worker.integrations.verl.plan import (
+    POLICY_TERM,
+    MiniBatchPlan,
+    bad_inputs,
+    group_ids,
+    plan_mini_batch,
+)
+from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
+from lossreduce.trainer_worker.normalizers import (
+    CoordinatorNormalizer,
+    GlobalNormalizer,
+    LocalNormalizer,
+    TorchDistributedNormalizer,
+)
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
+from lossreduce.trainer_worker.step_rows import StepRows
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from lossreduce.client import ReductionClient
+
+__all__ = ["LossReduceActorRolloutRefWorker", "LossReduceTrainingWorker"]
+
+
+class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
+    """verl's ``TrainingWorker`` whose PPO mini-batches are normalized by lossreduce.
+
+    ``reduction`` defaults to :class:`VerlReductionSettings` read from
+    ``LOSSREDUCE_*``. ``skipped_steps`` counts mini-batches skipped as empty;
+    ``last_normalizers`` holds the global normalizers the last mini-batch used.
+    """
+
+    def __init__(self, config: Any, reduction: VerlReductionSettings | None = None) -> None:
+        self.reduction_settings = reduction if reduction is not None else VerlReductionSettings()
+        if config.engine_config is not None:
+            raise_problems(engine_problems(config.engine_config), self.reduction_settings)
+        super().__init__(config)
+        raise_problems(engine_problems(self.engine_config), self.reduction_settings)
+        self.policy_reduction = self.reduction_settings.reduction
+        self.skipped_steps = 0
+        self.last_normalizers: dict[str, float] | None = None
+        self._round = 0
+        self._sum_config: Any = None
+        self._normalizer: GlobalNormalizer | None = None
+        self._client: ReductionClient | None = None
+
+    # -- the loss function ----------------------------------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
+    def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
+        """Take verl's ``partial(ppo_loss, config=actor_config)``; refuse anything else
+        (a distillation loss, an SFT loss) and every actor option lossreduce cannot honour."""
+        settings = self.reduction_settings
+        config = None
+        if isinstance(loss_fn, functools.partial) and loss_fn.func is ppo_loss:
+            config = loss_fn.keywords.get("config")
+        if config is None:
+            raise_problems(
+                [f"loss function {loss_fn!r}: only verl's ppo_loss (actor) is supported"],
+                settings,
+            )
+        assert config is not None  # raise_problems raised otherwise
+        raise_problems(actor_problems(config, settings), settings)
+        # verl's aggregation in token-sum with dp_size 1 is a plain masked sum.
+        self._sum_config = dataclasses.replace(config, global_batch_info={"dp_size": 1})
+        self.loss_fn = loss_fn
+
+    @contextmanager
+    def _normalized_loss(self, normalizers: StepNormalizers) -> Iterator[None]:
+        # verl's own loss stays in place outside training (infer_batch may compute it).
+        stock = self.loss_fn
+        self.loss_fn = functools.partial(micro_batch_loss, normalizers, self._sum_config)
+        try:
+            yield
+        finally:
+            self.loss_fn = stock
+
+    # -- the normalizer backend -----------------------------------------------------
+
+    def normalizer(self) -> GlobalNormalizer:
+        """The backend summing partials over the data-parallel group (made on first use)."""
+        if self._normalizer is None:
+            self._normalizer = self._make_normalizer()
+        return self._normalizer
+
+    def _round_group(self) -> str:
+        # Ranks of one sequence-parallel group hold the same rows: each index within
+        # such a group reduces over the data-parallel ranks in a round of its own.
+        mesh = getattr(self.engine, "ulysses_device_mesh", None)
+        group = self.reduction_settings.group
+        return group if mesh is None else f"{group}.sp{mesh['sp'].get_local_rank()}"
+
+    def _make_normalizer(self) -> GlobalNormalizer:
+        settings = self.reduction_settings
+        if settings.normalizer == "coordinator":
+            from lossreduce.client import ReductionClient
+
+            assert settings.coordinator is not None  # the settings validator requires it
+            self._client = ReductionClient(
+                settings.coordinator,
+                job=settings.job,
+                group=self._round_group(),
+                rank=self.engine.get_data_parallel_rank(),
+                world_size=self.engine.get_data_parallel_size(),
+                settings=settings.client,
+            )
+            return CoordinatorNormalizer(self._client)
+        if self.engine.get_data_parallel_size() == 1:
+            return LocalNormalizer(job=settings.job, group=self._round_group())
+        return TorchDistributedNormalizer(
+            self.engine.get_data_parallel_group(), job=settings.job, group=self._round_group()
+        )
+
+    def close(self) -> None:
+        """Close the coordinator client, if any; the next mini-batch opens a new one."""
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._normalizer = None
+
+    # -- one mini-batch -------------------------------------------------------------
+
+    def _rows(self, data: Any, tokens: torch.Tensor) -> tuple[StepRows, int]:
+        """The rows the plan needs and this rank's index among them."""
+        n = tokens.shape[0]
+        if self.policy_reduction.mode is not PolicyGradientMode.PROMPT_MEAN:
+            zeros = torch.zeros(n, dtype=torch.long)
+            return StepRows(process=zeros, window=zeros, group=zeros, tokens=tokens), 0
+        uids = tu.get(data, key="uid", default=None)
+        if uids is None:
+            raise ReductionInputError(
+                f"job {self.reduction_settings.job!r}: mode 'prompt_mean' needs the prompt "
+                "group of every response (verl's non-tensor field 'uid'), which this "
+                "mini-batch lacks"
+            )
+        # A group's tokens and owner span ranks: every rank sees every rank's rows.
+        mine = (list(map(str, uids)), tokens.tolist())
+        group = self.engine.get_data_parallel_group()
+        world = self.engine.get_data_parallel_size()
+        gathered: list[Any] = [None] * world
+        if world == 1:
+            gathered = [mine]
+        else:
+            dist.all_gather_object(gathered, mine, group=group)
+        ids = group_ids([u for g_uids, _ in gathered for u in g_uids])
+        process = [r for r, (g_uids, _) in enumerate(gathered) for _ in g_uids]
+        all_tokens = [t for _, g_tokens in gathered for t in g_tokens]
+        rows = StepRows(
+            process=torch.tensor(process, dtype=torch.long),
+            window=torch.zeros(len(process), dtype=torch.long),
+            group=torch.tensor(ids, dtype=torch.long),
+            tokens=torch.tensor(all_tokens, dtype=torch.float64),
+        )
+        return rows, self.engine.get_data_parallel_rank()
+
+    def plan(self, data: Any) -> tuple[MiniBatchPlan, list[str]]:
+        """This rank's plan for the mini-batch ``data`` and its bad inputs (if any)."""
+        mask = padded(data["response_mask"]).bool()  # [B, R]
+        tokens = mask.sum(-1).to(torch.float64).cpu()  # [B] D_i
+        rows, rank = self._rows(data, tokens)
+        config = self._sum_config
+        plan = plan_mini_batch(
+            self.policy_reduction,
+            rows,
+            rank,
+            kl=bool(config.use_kl_loss),
+            entropy=config.entropy_coeff != 0,
+        )
+        inputs = {name: padded(data[name]) for name in ("advantages", "old_log_probs")}
+        for name, wanted in (
+            ("ref_log_prob", config.use_kl_loss),
+            ("rollout_is_weights", "rollout_is_weights" in data.keys()),  # noqa: SIM118
+        ):
+            if wanted:
+                inputs[name] = padded(data[name])
+        return plan, bad_inputs(mask.cpu(), {k: v.cpu() for k, v in inputs.items()})
+
+    def _reduce(self, step: int, plan: MiniBatchPlan, bad: list[str]) -> dict[str, float] | None:
+        """The step's global normalizers; None for a skipped empty step; or the round's
+        error, the same on every rank."""
+        partials = dict(plan.partials)
+        if bad:
+            # Poison the round so every peer aborts too instead of training without us.
+            partials[POLICY_TERM] = torch.tensor(math.nan, dtype=torch.float64)
+        try:
+            totals = self.normalizer().reduce(step, partials, plan.contracts)
+        except InvalidPartialError as err:
+            if not bad:
+                raise
+            here = RankContext(err.job, err.group, step, self.engine.get_data_parallel_rank())
+            raise here.error(
+                InvalidPartialError,
+                f"bad input at active tokens ({'; '.join(bad)}); no rank trains on this mini-batch",
+                terms=(POLICY_TERM,),
+                values=(math.nan,),
+            ) from err
+        except EmptyNormalizerError:
+            if self.reduction_settings.on_empty_step == "raise":
+                raise
+            return None
+        return {term: float(n) for term, n in totals.items()}
+
+    @register(  # type: ignore[untyped-decorator]
+        dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False
+    )
+    def train_batch(self, data: Any) -> Any:
+        """One PPO mini-batch (one optimizer step) normalized by lossreduce."""
+        if self._sum_config is None:
+            raise_problems(
+                ["no loss function: call set_loss_fn(ppo_loss) first"], self.reduction_settings
+            )
+        step = self._round
+        self._round += 1
+        plan, bad = self.plan(data)
+        started = time.perf_counter()
+        totals = self._reduce(step, plan, bad)
+        latency = time.perf_counter() - started
+        self.last_normalizers = totals
+        if totals is None:
+            self.skipped_steps += 1
+            return self._skipped(data)
+        data[ROW_WEIGHT_KEY] = plan.weights.to(torch.float32)
+        with self._normalized_loss(StepNormalizers(totals)):
+            output = super().train_batch(data)
+        if output is not None:
+            metrics = tu.get(output, "metrics")
+            metrics.update(_round_metrics(totals, latency, skipped=False))
+        return output
+
+    def _skipped(self, data: Any) -> Any:
+        """No forward, backward or optimizer step; the lr schedule still advances."""
+        lr = self.engine.lr_scheduler_step() if tu.get(data, "update_lr_scheduler", False) else None
+        if not self.engine.is_mp_src_rank_with_outputs():
+            return None
+        metrics: dict[str, Any] = {"loss": 0.0, "grad_norm": 0.0, "mfu": 0.0}
+        metrics.update(_round_metrics({}, 0.0, skipped=True))
+        if lr is not None:
+            metrics["lr"] = lr
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
+
+
+def _round_metrics(totals: dict[str, float], latency: float, *, skipped: bool) -> dict[str, float]:
+    out = {f"lossreduce/normalizer/{term}": value for term, value in totals.items()}
+    out["lossreduce/round_latency_s"] = latency
+    out["lossreduce/skipped"] = float(skipped)
+    return out
+
+
+class LossReduceActorRolloutRefWorker(ActorRolloutRefWorker):  # type: ignore[misc]
+    """verl's ``ActorRolloutRefWorker`` whose actor is a :class:`LossReduceTrainingWorker`.
+
+    Settings come from the worker config's ``lossreduce`` key (the launch's
+    ``+actor_rollout_ref.lossreduce.<field>=...``), over ``LOSSREDUCE_*``.
+    """
+
+    def __init__(self, config: Any, role: str, distillation_config: Any = None) -> None:
+        super().__init__(config, role, distillation_config=distillation_config)
+        given = config.get("lossreduce", None)
+        # Explicit fields win over LOSSREDUCE_* (pydantic-settings reads those in __init__).
+        self.reduction_settings = VerlReductionSettings(**(dict(given) if given else {}))
+        self.actor_worker_cls: Callable[..., LossReduceTrainingWorker] = functools.partial(
+            LossReduceTrainingWorker, reduction=self.reduction_settings
+        )
