@@ -24,6 +24,7 @@ Two test-only choices, both outside the code under test:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import traceback
@@ -60,7 +61,7 @@ class Case:
     mode: str = "token_mean"
     max_tokens: int = ONE_PER_MB
     normalizer: str = "torch"
-    data: str = "base"  # base, nan_advantage, all_masked, masked_rank1
+    data: str = "base"  # base, nan_advantage, all_masked, masked_odd
     weight: str = "count"  # count, inf_rank1 (train_batch called with that loss_weight_fn)
     on_empty_step: str = "raise"
     optimizer: str = "sgd"  # sgd, adamw (weight decay 0.1)
@@ -97,7 +98,8 @@ def group_rows(group: int, data: str = "base", rank: int = 0) -> dict[str, torch
     loss_mask &= torch.rand(b, T, generator=gen) > 0.15  # some response tokens masked
     advantages = torch.randn(b, T, generator=gen) * loss_mask
     old = (-3.3 + 0.05 * torch.randn(b, T, generator=gen)) * loss_mask
-    if data == "all_masked" or (data == "masked_rank1" and rank == 1):
+    # masked_odd: groups 1, 3, 5 (all of rank 1's on two ranks) have no active token.
+    if data == "all_masked" or (data == "masked_odd" and group % 2 == 1):
         loss_mask = torch.zeros_like(loss_mask)
     if data == "nan_advantage" and rank == 0 and group == 0:
         advantages[0, PROMPT] = math.nan
@@ -254,11 +256,12 @@ def optimizer_state(actor: Any) -> list[torch.Tensor]:
 
 def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
     """The measured step; returns AReaL's train stats."""
+    from areal.utils import stats_tracker
+
     data = shard_data(world, rank, case.data)
     if case.weight == "count":
+        stats_tracker.export(reset=True)  # drop what earlier steps recorded
         actor.ppo_update(data)
-        from areal.utils import stats_tracker
-
         stats = stats_tracker.export(reset=True)
         return {k.removeprefix("ppo_actor/update/"): float(v) for k, v in stats.items()}
     # A loss weight of inf on rank 1, everything else AReaL's own PPO update.
@@ -278,7 +281,9 @@ def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
     return dict(
         actor.train_batch(
             batch,
-            loss_fn=lambda *a, **k: grpo_loss_fn(*a, eps_clip=EPS_CLIP, **k),
+            loss_fn=functools.partial(
+                grpo_loss_fn, eps_clip=EPS_CLIP, eps_clip_higher=None, c_clip=None
+            ),
             loss_weight_fn=weight,
         )
     )
@@ -378,7 +383,7 @@ def reference_updates(model_dir: str, initial: dict[str, torch.Tensor]) -> dict[
             total = sum(sum(s for s, _ in g) / sum(d for _, d in g) for g in groups) / len(groups)
         total.backward()
         out[mode] = {
-            "loss": float(total),
+            "loss": float(total.detach()),
             "params": {n: (p - LR * p.grad).detach().clone() for n, p in model.named_parameters()},
         }
     return out
@@ -409,6 +414,10 @@ def run_rank(rank: int, job: Job) -> None:
         LOCAL_WORLD_SIZE=str(job.world),
     )
     use_varlen_attention()
+    # One default group for every case (an actor that made its own would tear it down).
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=job.world)
     results: dict[str, Any] = {}
     try:
         for case in job.cases:
@@ -421,12 +430,16 @@ def run_rank(rank: int, job: Job) -> None:
     except Exception:
         results["crash"] = traceback.format_exc()
     torch.save(results, Path(job.out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
 
 
 def run(job: Job) -> list[dict[str, Any]]:
     """Every rank's results of ``job`` (spawned processes, gloo on loopback)."""
     Path(job.out_dir).mkdir(parents=True, exist_ok=True)
     os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    # Ranks share this machine's cores: one thread each (oversubscribed, a tiny
+    # model's backward is 20 times slower).
+    os.environ["OMP_NUM_THREADS"] = "1"
     spawn(run_rank, args=(job,), nprocs=job.world, join=True)
     return [torch.load(Path(job.out_dir) / f"rank{r}.pt", weights_only=False) for r in range(job.world)]
 
