@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 # Extra pytest flags, e.g. `make test PYTEST_ARGS="-k round_table -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest proto install install-dev bench clean
+.PHONY: demo test lint typecheck pytest test-areal proto install install-dev bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
@@ -49,9 +49,27 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
 pytest: $(VENV)/.installed-dev
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest --ignore=tests/trainer_worker/integrations/areal $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+# AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal)
+# run in an environment of their own: lossreduce[areal] pinned by the constraints
+# file, then areal and swanlab without their dependencies (docs/frameworks/areal.md).
+AREAL_VENV ?= .venv-areal
+AREAL_PY := $(AREAL_VENV)/bin/python
+AREAL_CONSTRAINTS := tests/trainer_worker/integrations/areal/constraints.txt
+$(AREAL_VENV)/.installed: pyproject.toml $(AREAL_CONSTRAINTS)
+	rm -rf $(AREAL_VENV)
+	$(PYTHON) -m venv $(AREAL_VENV)
+	$(AREAL_PY) -m pip install --quiet --upgrade pip
+	PYTHONWARNINGS="ignore:Editable installation" $(AREAL_PY) -m pip install --quiet \
+		-c $(AREAL_CONSTRAINTS) -e '.[areal]' pytest pytest-timeout hypothesis
+	$(AREAL_PY) -m pip install --quiet --no-deps areal==1.0.4 swanlab==0.6.12
+	touch $@
+
+test-areal: $(AREAL_VENV)/.installed
+	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal $(PYTEST_ARGS)
+
+test: lint typecheck pytest test-areal
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
@@ -61,4 +79,4 @@ bench: $(VENV)/.installed
 	$(BIN)/lossreduce bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(AREAL_VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis

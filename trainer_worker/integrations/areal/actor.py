@@ -223,7 +223,10 @@ class LossReduceActorMixin:
         step = self._reduction_steps
         self._reduction_steps += 1
         settings = self.reduction_settings
-        if "teacher_logp" in batch and self.policy_reduction.mode is not PolicyGradientMode.TOKEN_MEAN:
+        if (
+            "teacher_logp" in batch
+            and self.policy_reduction.mode is not PolicyGradientMode.TOKEN_MEAN
+        ):
             # The same on every rank: a teacher is configured for the whole run.
             raise ReductionConfigError(
                 f"job {settings.job!r} step {step}: AReaL adds the teacher distillation "
@@ -363,7 +366,9 @@ class LossReduceActorMixin:
     ) -> dict[str, float]:
         """Take part in the round with NaN partials (the peers abort naming this
         rank), then raise what is wrong with this rank's inputs."""
-        poisoned = {t: torch.tensor(math.nan, dtype=torch.float64, device=device) for t in plan.partials}
+        poisoned = {
+            t: torch.tensor(math.nan, dtype=torch.float64, device=device) for t in plan.partials
+        }
         try:
             normalizer.reduce(step, poisoned, plan.contracts)
         except LossReduceError as answer:

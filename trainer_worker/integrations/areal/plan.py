@@ -156,7 +156,9 @@ def plan_batch(
     plan = plan_rows(
         reduction, StepRows(process=zeros, window=zeros, group=groups, tokens=tokens), 0, 1
     )
-    pg = token_weight if reduction.mode is PolicyGradientMode.TOKEN_MEAN else plan.policy_partials[0]
+    pg = (
+        token_weight if reduction.mode is PolicyGradientMode.TOKEN_MEAN else plan.policy_partials[0]
+    )
     partials = {POLICY_TERM: pg, ROWS_TERM: float(rows)}
     contracts = {POLICY_TERM: reduction.contract_for("mean"), ROWS_TERM: "sum:rows"}
     if isinstance(batch.get("teacher_logp"), Tensor):

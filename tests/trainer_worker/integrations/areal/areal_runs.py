@@ -36,8 +36,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-import torch.nn.functional as F
-from torch.multiprocessing import spawn
+from torch.multiprocessing.spawn import spawn
+from torch.nn import functional
 
 GROUP_SIZES = [3, 1, 2, 4, 2, 2]
 SHARDS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 2, 4], [1, 3, 5]]}
@@ -129,6 +129,7 @@ def varlen_sdpa(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: Any,
+    *,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -146,7 +147,7 @@ def varlen_sdpa(
     repeat = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(repeat, dim=1)
     value = value.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    out = functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -167,9 +168,9 @@ def save_model(folder: Path) -> Path:
     words = ["<pad>", "<eos>", *(chr(c) for c in range(ord("a"), ord("a") + VOCAB - 2))]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="a"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(
-        folder
-    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
+    ).save_pretrained(folder)
     Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -275,7 +276,7 @@ def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
     from areal.trainer.ppo.actor import grpo_loss_fn
 
     def weight(x: dict[str, Any]) -> torch.Tensor:
-        count = x["loss_mask"].count_nonzero()
+        count: torch.Tensor = x["loss_mask"].count_nonzero()
         return count * math.inf if rank == 1 else count
 
     return dict(
@@ -303,10 +304,10 @@ def run_case(case: Case, model_dir: str, world: int, rank: int) -> dict[str, Any
             out["error"] = (type(err).__name__, str(err))
         out["params"] = full_params(actor)
         state_after = optimizer_state(actor)
-        out["untouched"] = all(
-            torch.equal(out["params"][n], before[n]) for n in before
-        ) and len(state_before) == len(state_after) and all(
-            torch.equal(a, b) for a, b in zip(state_before, state_after, strict=True)
+        out["untouched"] = (
+            all(torch.equal(out["params"][n], before[n]) for n in before)
+            and len(state_before) == len(state_after)
+            and all(torch.equal(a, b) for a, b in zip(state_before, state_after, strict=True))
         )
         out["skipped_steps"] = getattr(actor, "skipped_steps", None)
         return out
@@ -340,7 +341,9 @@ def run_exact_sum(model_dir: str, world: int, rank: int) -> dict[str, float]:
 # -- the reference ---------------------------------------------------------------------------------
 
 
-def reference_updates(model_dir: str, initial: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+def reference_updates(
+    model_dir: str, initial: dict[str, torch.Tensor]
+) -> dict[str, dict[str, Any]]:
     """Each mode's SGD update from docs/reduction-semantics.md, row by row, in plain
     PyTorch on the same initial weights (no AReaL, no code under test)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -353,7 +356,7 @@ def reference_updates(model_dir: str, initial: dict[str, torch.Tensor]) -> dict[
     out = {}
     for mode in MODES:
         model.zero_grad()
-        total = torch.zeros((), dtype=torch.float64)
+        total: Any = None
         per_group = []
         for g, group in enumerate(rows):
             per_row = []
@@ -441,7 +444,9 @@ def run(job: Job) -> list[dict[str, Any]]:
     # model's backward is 20 times slower).
     os.environ["OMP_NUM_THREADS"] = "1"
     spawn(run_rank, args=(job,), nprocs=job.world, join=True)
-    return [torch.load(Path(job.out_dir) / f"rank{r}.pt", weights_only=False) for r in range(job.world)]
+    return [
+        torch.load(Path(job.out_dir) / f"rank{r}.pt", weights_only=False) for r in range(job.world)
+    ]
 
 
 def with_coordinator(cases: list[Case], target: str) -> list[Case]:

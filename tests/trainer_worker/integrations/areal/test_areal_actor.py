@@ -38,7 +38,9 @@ from tests.trainer_worker.integrations.areal.areal_runs import (
 )
 
 ERRORS = [
-    Case(name, impl=impl, data=data, weight=weight, on_empty_step=empty, optimizer="adamw", prelude=1)
+    Case(
+        name, impl=impl, data=data, weight=weight, on_empty_step=empty, optimizer="adamw", prelude=1
+    )
     for name, impl, data, weight, empty in [
         ("inf", "lossreduce", "base", "inf_rank1", "raise"),
         ("stock-inf", "stock", "base", "inf_rank1", "raise"),
@@ -116,12 +118,14 @@ def results(
     return get
 
 
-def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
+def _relative(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
+) -> float:
     """|got - want| / |want - start| over all parameters: the error relative to the update."""
     num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
     den = sum(float((want[n].double() - start[n].double()).pow(2).sum()) for n in want)
     assert den > 0, "the reference step did not move the weights"
-    return (num / den) ** 0.5
+    return float((num / den) ** 0.5)
 
 
 def _update(result: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -135,7 +139,9 @@ def _update(result: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_every_mode_gives_the_formulas_update(results: Callable[[int], list[dict[str, Any]]], mode: str) -> None:
+def test_every_mode_gives_the_formulas_update(
+    results: Callable[[int], list[dict[str, Any]]], mode: str
+) -> None:
     one = results(1)[0]
     reference = one["reference"][mode]["params"]
     got = _update(one[f"{mode}-one"])
@@ -152,7 +158,9 @@ def test_several_sequences_per_micro_batch_give_the_same_update(
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_two_ranks_give_one_ranks_update(results: Callable[[int], list[dict[str, Any]]], mode: str) -> None:
+def test_two_ranks_give_one_ranks_update(
+    results: Callable[[int], list[dict[str, Any]]], mode: str
+) -> None:
     one = results(1)[0][f"{mode}-one"]
     two = results(2)
     for rank in (0, 1):
@@ -199,12 +207,16 @@ def _errors(results: Callable[[int], list[dict[str, Any]]], case: str) -> list[t
     return [r.get("error", ("", "")) for r in per_rank]
 
 
-def test_inf_on_one_rank_is_named_on_every_rank(results: Callable[[int], list[dict[str, Any]]]) -> None:
+def test_inf_on_one_rank_is_named_on_every_rank(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
     (kind0, msg0), (kind1, msg1) = _errors(results, "inf")
     assert kind1 == "InvalidPartialError"
-    assert "rank 1" in msg1 and "'pg'=inf" in msg1, msg1
+    assert "rank 1" in msg1, msg1
+    assert "'pg'=inf" in msg1, msg1
     assert kind0 == "RoundAbortedError"
-    assert "rank 1" in msg0 and "'pg'=inf" in msg0, msg0
+    assert "rank 1" in msg0, msg0
+    assert "'pg'=inf" in msg0, msg0
 
 
 def test_areal_skips_an_inf_weight_silently(results: Callable[[int], list[dict[str, Any]]]) -> None:
@@ -213,15 +225,20 @@ def test_areal_skips_an_inf_weight_silently(results: Callable[[int], list[dict[s
         assert results(2)[rank]["stock-inf"]["stats"]["update_successful"] == 0.0
 
 
-def test_a_nan_advantage_is_named_on_every_rank(results: Callable[[int], list[dict[str, Any]]]) -> None:
+def test_a_nan_advantage_is_named_on_every_rank(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
     (kind0, msg0), (kind1, msg1) = _errors(results, "nan-advantage")
     assert kind0 == "InvalidPartialError"
-    assert "rank 0" in msg0 and "advantages is nan at active token (row 0, position 3)" in msg0
+    assert "rank 0" in msg0
+    assert "advantages is nan at active token (row 0, position 3)" in msg0
     assert kind1 == "RoundAbortedError"
     assert "rank 0" in msg1, msg1
 
 
-def test_areal_skips_a_nan_advantage_silently(results: Callable[[int], list[dict[str, Any]]]) -> None:
+def test_areal_skips_a_nan_advantage_silently(
+    results: Callable[[int], list[dict[str, Any]]],
+) -> None:
     assert _errors(results, "stock-nan-advantage") == [("", ""), ("", "")]
     for rank in (0, 1):
         assert results(2)[rank]["stock-nan-advantage"]["stats"]["update_successful"] == 0.0
@@ -269,10 +286,14 @@ def test_the_coordinator_gives_the_torch_backends_update_bit_for_bit(
 ) -> None:
     for rank in (0, 1):
         run = results(2)[rank]
-        coordinator, torch_backend = _update(run[f"coordinator-{mode}"]), _update(run[f"{mode}-one"])
+        coordinator, torch_backend = (
+            _update(run[f"coordinator-{mode}"]),
+            _update(run[f"{mode}-one"]),
+        )
         assert all(torch.equal(coordinator[n], torch_backend[n]) for n in torch_backend)
-        assert run[f"coordinator-{mode}"]["stats"]["lossreduce/normalizer/pg"] == (
-            run[f"{mode}-one"]["stats"]["lossreduce/normalizer/pg"]
+        assert (
+            run[f"coordinator-{mode}"]["stats"]["lossreduce/normalizer/pg"]
+            == (run[f"{mode}-one"]["stats"]["lossreduce/normalizer/pg"])
         )
 
 
