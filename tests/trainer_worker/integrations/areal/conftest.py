@@ -1,11 +1,18 @@
-"""AReaL's own import-time warnings, filtered one by one (everything else stays an error)."""
+"""Warnings that importing AReaL 1.0.4 raises, filtered one by one (everything
+else stays an error)."""
 
 import pytest
 
+AREAL_IMPORT_WARNINGS = (
+    # AReaL on CPU: NVIDIA's Transformer Engine and Apex are absent, it falls back.
+    "ignore:Transformer Engine and Apex are not installed:UserWarning",
+    # AReaL imports torch._inductor, whose mkldnn module uses torch.jit.script_method.
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+    # swanlab, a logger AReaL imports, defines a class inside an Enum.
+    "ignore:In 3.13 classes created inside an enum:DeprecationWarning",
+)
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        # AReaL warns on import that NVIDIA's Transformer Engine and Apex are absent (CPU).
-        item.add_marker(
-            pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed")
-        )
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in AREAL_IMPORT_WARNINGS:
+        config.addinivalue_line("filterwarnings", line)
