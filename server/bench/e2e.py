@@ -21,6 +21,7 @@ __all__ = [
     "E2EError",
     "E2EResult",
     "abba",
+    "run_areal_e2e",
     "run_e2e",
     "run_trl_e2e",
     "step_seconds",
@@ -141,4 +142,33 @@ def run_trl_e2e() -> dict[str, float | int | bool] | None:
         "dapo_steps": result.dapo_steps,
         "ratio": result.ratio,
         "met": result.ratio <= TRL_TARGET_RATIO,
+    }
+
+
+def run_areal_e2e() -> dict[str, float | int | bool] | None:
+    """AReaL's PPO update with LossReduceFSDPPPOActor vs AReaL's own FSDPPPOActor
+    (median over steps, ABBA order, one process): the ratio and whether it meets
+    :data:`TRL_TARGET_RATIO` (the same 1.03); None, said in one line, where AReaL
+    is not installed (it has an environment of its own: docs/frameworks/areal.md)."""
+    try:
+        from lossreduce.trainer_worker.integrations.areal.bench import run_areal_bench
+    except ImportError as err:
+        print(f"  AReaL step: skipped ({err})", flush=True)
+        return None
+    result = run_areal_bench()
+    met = result.ratio <= TRL_TARGET_RATIO
+    print(
+        f"  AReaL step: lossreduce {result.lossreduce_step_s * 1e3:.1f} ms vs AReaL "
+        f"{result.areal_step_s * 1e3:.1f} ms (median of {result.lossreduce_steps} / "
+        f"{result.areal_steps} steps, ABBA): ratio {result.ratio:.3f}, target <= "
+        f"{TRL_TARGET_RATIO} {'met' if met else 'NOT met'}",
+        flush=True,
+    )
+    return {
+        "lossreduce_step_s": result.lossreduce_step_s,
+        "areal_step_s": result.areal_step_s,
+        "lossreduce_steps": result.lossreduce_steps,
+        "areal_steps": result.areal_steps,
+        "ratio": result.ratio,
+        "met": met,
     }
