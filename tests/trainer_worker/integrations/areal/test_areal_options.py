@@ -54,7 +54,9 @@ def test_a_teacher_needs_token_mean() -> None:
     teacher = TeacherConfig(engine_type="train", train=_actor_config())
     config = PPOConfig(experiment_name="e", trial_name="t", teacher=teacher)
     with pytest.raises(ReductionConfigError, match="teacher is set"):
-        LossReducePPOTrainer(config, reduction=ArealReductionSettings(mode=PolicyGradientMode.SEQ_MEAN))
+        LossReducePPOTrainer(
+            config, reduction=ArealReductionSettings(mode=PolicyGradientMode.SEQ_MEAN)
+        )
 
 
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
