@@ -76,14 +76,24 @@ class ClientSettings(BaseModel):
         ),
     )
     keepalive_time_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="Interval of HTTP/2 keepalive pings on an idle connection, in seconds.",
-    )
-    keepalive_timeout_s: float = Field(
         default=10.0,
         gt=0,
-        description="How long to wait for a keepalive ping's answer before the connection is considered dead, in seconds.",
+        description=(
+            "Interval of HTTP/2 keepalive pings, in seconds, also on an idle stream between "
+            "steps. A connection that goes quiet without a reset (a link down, a switch or "
+            "firewall dropping packets) is declared dead within keepalive_time_s + "
+            "keepalive_timeout_s (15 s by default; TCP alone would wait many minutes). Keep it "
+            "at or above the coordinator's keepalive_min_ping_interval_s (5 s), which sends a "
+            "client pinging more often GOAWAY."
+        ),
+    )
+    keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "How long to wait for a keepalive ping's answer before the connection is "
+            "considered dead, in seconds."
+        ),
     )
     max_message_bytes: int = Field(
         default=4 * 1024 * 1024,

@@ -68,6 +68,11 @@ class UpstreamStream:
         self._backoff = Backoff.from_settings(settings)
         self._rng = random.Random()
         self._closed = asyncio.Event()
+        self._down_since: float | None = None
+        # Loop time the coordinator became unreachable, None while it answers. Every
+        # request's retry budget counts from it: a rank's client retries the node's
+        # UNAVAILABLE, and a fresh budget per re-send would stack the node's budget on
+        # the rank's (a silent partition then took detection + 3 budgets to report).
 
     def open(self) -> None:
         if self._channel is None and not self._closed.is_set():
@@ -103,7 +108,12 @@ class UpstreamStream:
         to be had (retry budget spent, credentials refused, call deadline, closed),
         the node's own failure naming the coordinator, and True."""
         loop = asyncio.get_running_loop()
-        budget = RetryBudget(self._backoff, self.settings.retry_budget_s, self._rng)
+        budget = RetryBudget(
+            self._backoff,
+            self.settings.retry_budget_s,
+            self._rng,
+            first_failure_at=self._down_since,
+        )
         where = f"the coordinator at {self.target}"
         via_stream = True
         while True:
@@ -133,11 +143,14 @@ class UpstreamStream:
                 status = status_of(exc)
             else:
                 if response.error.code != code_pb2.UNAVAILABLE:
+                    self._down_since = None
                     return response, False
                 status = response.error
             via_stream = True
             if self._closed.is_set():
                 continue
+            if status.code != code_pb2.UNAVAILABLE:
+                self._down_since = None  # the coordinator answered, if with a refusal
             if status.code in _ROUND_CODES:
                 # The coordinator's answer to the round, as a unary call carries it.
                 return pb.ReduceResponse(round=request.round, error=status), False
@@ -149,6 +162,8 @@ class UpstreamStream:
                 refused.message = f"{where} refused the node's request: {status.message}"
                 return pb.ReduceResponse(round=request.round, error=refused), True
             delay = budget.failed(loop.time())
+            if self._down_since is None:
+                self._down_since = budget.first_failure_at
             if delay is None:
                 return node_failure(
                     request,

@@ -94,10 +94,15 @@ class CoordinatorSettings(BaseSettings):
         "answered UNAVAILABLE.",
     )
     keepalive_time_s: float = Field(
-        default=30.0, gt=0, description="Seconds between HTTP/2 keepalive pings the server sends."
+        default=10.0,
+        gt=0,
+        description="Seconds between HTTP/2 keepalive pings the server sends. A client whose "
+        "connection goes quiet without a reset (its link down, its packets dropped) is "
+        "disconnected within keepalive_time_s + keepalive_timeout_s (15 s by default), which "
+        "releases its streams.",
     )
     keepalive_timeout_s: float = Field(
-        default=10.0, gt=0, description="Seconds to wait for a keepalive ping's ack before closing."
+        default=5.0, gt=0, description="Seconds to wait for a keepalive ping's ack before closing."
     )
     keepalive_min_ping_interval_s: float = Field(
         default=5.0,

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,6 +26,11 @@ import pytest
 from lossreduce.ports import free_port
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from tests.raw_stub import Ranks
+from tests.ray_support import GCS_PORT_WAIT_S
+
+# Every Ray start of the run (local_ray, the 3-raylet cluster, lossreduce train's own
+# and the CLI's) waits this long for its GCS: Ray's 30 s is short on a loaded machine.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
 
 CoordinatorFactory = Callable[..., CoordinatorThread]
 

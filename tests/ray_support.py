@@ -1,8 +1,12 @@
-"""Local Ray sessions for tests: fresh, retried when a raylet is slow to register, reaped.
+"""Local Ray sessions for tests: fresh, retried when the GCS or a raylet is slow, reaped.
 
-On a loaded 2-core machine a raylet sometimes misses Ray's fixed 30 s
-registration window and ``ray.init`` raises a bare ``Exception`` with the
-GCS and raylet it spawned still running. Left alone, their ``Popen``
+On a loaded 2-core machine a head's GCS sometimes publishes its port after
+Ray's wait for it ends (``RuntimeError: Timed out waiting for file
+.../gcs_server_port_...``), or a raylet misses Ray's fixed 30 s registration
+window (a bare ``Exception``), with the GCS and raylet it spawned still
+running. ``tests/conftest.py`` raises the GCS wait of every Ray start of a test
+run to :data:`GCS_PORT_WAIT_S` (Ray reads ``RAY_gcs_server_port_wait_time_s``; the
+raylet's window is not configurable), and both are retried here. Left alone, their ``Popen``
 objects are collected later, inside some unrelated test, as
 "subprocess N is still running" ResourceWarnings (errors under
 ``-W error``). :func:`local_ray` kills and reaps what the failed start
@@ -20,10 +24,22 @@ from pathlib import Path
 
 import ray
 
-__all__ = ["START_ATTEMPTS", "local_ray", "reap_ray_processes", "start_timed_out"]
+__all__ = [
+    "GCS_PORT_WAIT_S",
+    "START_ATTEMPTS",
+    "local_ray",
+    "reap_ray_processes",
+    "start_timed_out",
+]
 
 START_ATTEMPTS = 3
 """Starts tried before a slow machine's failure is the test's failure."""
+GCS_PORT_WAIT_S = 90
+"""How long a head start waits for its GCS to publish its port (Ray's default: 30 s)."""
+
+_SLOW_START = ("timed out during startup", "Timed out waiting for file")
+"""Ray's words for a raylet that missed its registration window, and for a GCS (or
+raylet) that published its port file too late."""
 
 _RAY_PACKAGE = str(Path(ray.__file__).parent) + os.sep
 """Ray's package folder with its separator, so a sibling such as ``raydp`` does not match."""
@@ -47,9 +63,10 @@ def reap_ray_processes() -> int:
 
 
 def start_timed_out(err: Exception) -> bool:
-    """Whether ``err`` is Ray's bare Exception for a node that missed its fixed 30 s
-    registration window (a loaded machine, not a broken test)."""
-    return "timed out during startup" in str(err)
+    """Whether ``err`` is Ray's error for a start that was too slow (a loaded machine,
+    not a broken test): a raylet that missed its registration window, or a GCS whose
+    port file came too late."""
+    return any(words in str(err) for words in _SLOW_START)
 
 
 @contextmanager
@@ -72,7 +89,7 @@ def local_ray(num_cpus: int = 2, *, metrics_export_port: int | None = None) -> I
                 _metrics_export_port=metrics_export_port,
             )
             break
-        except Exception as err:  # Ray raises a bare Exception for a slow raylet
+        except Exception as err:  # a bare Exception (raylet) or RuntimeError (GCS)
             ray.shutdown(wait_for_processes=True)
             reap_ray_processes()
             if attempt == START_ATTEMPTS or not start_timed_out(err):

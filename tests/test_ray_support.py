@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.ray_support import _RAY_PACKAGE, reap_ray_processes
+import pytest
+
+from tests.ray_support import _RAY_PACKAGE, reap_ray_processes, start_timed_out
 
 
 def test_reaps_processes_spawned_from_rays_package_and_spares_others() -> None:
@@ -20,3 +22,22 @@ def test_reaps_processes_spawned_from_rays_package_and_spares_others() -> None:
         for proc in (ray_like, other):
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("message", "slow"),
+    [
+        # What Ray 2.x raises when a raylet misses its fixed registration window.
+        ("The current node timed out during startup. This could happen because ...", True),
+        # What it raises when the head's GCS publishes its port after the wait ends.
+        (
+            "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc. "
+            "The GCS server may have failed to start",
+            True,
+        ),
+        ("Ray has not been started yet.", False),
+        ("Address already in use", False),
+    ],
+)
+def test_slow_starts_are_retried_and_other_failures_are_not(message: str, slow: bool) -> None:
+    assert start_timed_out(RuntimeError(message)) is slow

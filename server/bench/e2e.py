@@ -123,7 +123,7 @@ def run_trl_e2e() -> dict[str, float | int | bool] | None:
     (median over steps, ABBA order, one process): the ratio and whether it meets
     :data:`TRL_TARGET_RATIO`; None, said in one line, when TRL is not installed."""
     try:
-        from lossreduce.trainer_worker.integrations.trl_bench import run_trl_bench
+        from lossreduce.trainer_worker.integrations.trl.bench import run_trl_bench
     except ImportError as err:
         print(f"  TRL step: skipped ({err})", flush=True)
         return None

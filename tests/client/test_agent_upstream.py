@@ -193,6 +193,41 @@ def test_an_unreachable_upstream_is_named(free_port):
     assert "cannot be reached" in str(checked)
 
 
+def test_one_outage_spends_one_retry_budget_for_every_request(coordinator_factory, free_port):
+    """A rank's client retries the node's UNAVAILABLE; the node's budget counts from the
+    outage's start, not afresh per re-send, so the rank hears within its own budget plus
+    the node's once; once the coordinator answers again, the outage is over."""
+    port = free_port()
+    upstream = f"127.0.0.1:{port}"
+    budget_s = 1.0
+
+    async def main() -> tuple[list[float], Any]:
+        loop = asyncio.get_running_loop()
+        agent = NodeAgent(upstream, settings=agent_settings((0,), retry_budget_s=budget_s))
+        await agent.start()
+        took = []
+        try:
+            for step in (1, 2):
+                started = loop.time()
+                result = await reduce(
+                    agent.target, 0, 1, step, 1.0, settings=rank_settings(retry_budget_s=0.0)
+                )
+                assert isinstance(result, CoordinatorUnavailableError), result
+                took.append(loop.time() - started)
+            await asyncio.to_thread(coordinator_factory, port=port)
+            after = await reduce(
+                agent.target, 0, 1, 3, 1.0, settings=rank_settings(retry_budget_s=5.0)
+            )
+            return took, after
+        finally:
+            await agent.stop()
+
+    (first, second), after = run(main)
+    assert first >= budget_s * 0.8, first  # the node retried for its budget
+    assert second < budget_s / 2, second  # the same outage: one attempt, no second budget
+    assert after == {"n": 1.0}
+
+
 def test_refused_credentials_are_named_and_ranks_need_the_agents_token(coordinator_factory):
     coordinator = coordinator_factory(metrics_port=None, token=TOKEN)
 

@@ -1,13 +1,18 @@
-"""lossreduce inside other training frameworks.
+"""lossreduce inside other training frameworks: one package per framework.
 
 - :mod:`lossreduce.trainer_worker.integrations.trl`: ``LossReduceGRPOTrainer``,
   Hugging Face TRL's ``GRPOTrainer`` with lossreduce's global normalizers
   (``pip install 'lossreduce[trl]'``). Imported explicitly: importing this
-  package never imports TRL.
-- :class:`GRPOReductionSettings`: how that trainer normalizes its loss.
+  package never imports a framework.
+- :class:`GRPOReductionSettings`: how an integration normalizes its loss
+  (mode, normalizer backend, coordinator, empty steps), read from
+  ``LOSSREDUCE_*`` environment variables.
+
+An integration never imports the train job (:mod:`lossreduce.trainer_worker.train`)
+or another integration; the train job's engines build on the integrations.
 """
 
-from lossreduce.trainer_worker.integrations.grpo_settings import (
+from lossreduce.trainer_worker.integrations.settings import (
     GRPOReductionSettings,
     NormalizerBackend,
 )

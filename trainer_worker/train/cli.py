@@ -23,6 +23,7 @@ from lossreduce.settings_cli import (
     add_settings_flags,
     parse_settings,
 )
+from lossreduce.trainer_worker.train.engines.registry import engine_names
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 
 __all__ = ["PROG", "build_parser", "main", "settings_from_argv"]
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         TrainSettings,
         metavars={
             "address": "ADDRESS",
+            "engine": "{" + ",".join(engine_names()) + "}",
             "coordinator": "HOST:PORT",
             "job": "NAME",
             "model": "PATH",

@@ -1,9 +1,12 @@
-"""The training driver: Ray, the coordinator, placement, workers, the GRPO loop.
+"""The training driver: Ray, the coordinator, placement, node agents, outputs.
 
-Per step the driver draws the prompts, has every worker sample responses for
-its slice of them, scores and filters the responses (whole prompt groups,
-variable sizes), computes group-relative advantages, shards whole groups
-across the ranks balancing tokens, and has every worker train on its shard.
+What trains on the workers is the engine of ``--engine``, looked up in
+:mod:`~lossreduce.trainer_worker.train.engines.registry` and driven through
+:class:`~lossreduce.trainer_worker.train.engines.base.Engine`: the driver
+never names one. It builds the engine before Ray starts (bad input costs
+nothing), starts Ray, the coordinator actor, the placement group and the node
+agents, hands the engine its :class:`WorkerCluster`, and records every step
+the engine reports (progress bar, ``metrics.jsonl``, plot).
 
 Failures (a dead, failing or hung rank, a cluster that cannot hold the
 workers) end the run with :class:`TrainingFailedError`, whose message names
@@ -12,18 +15,17 @@ the rank and its node (see :mod:`lossreduce.trainer_worker.train.worker_group`).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 from pydantic import SecretStr
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
@@ -35,44 +37,26 @@ from lossreduce.trainer_worker.train.coordinator_actor import (
     CoordinatorHandle,
     start_coordinator_actor,
 )
-from lossreduce.trainer_worker.train.grpo import shard_groups
-from lossreduce.trainer_worker.train.outputs import RunOutputs, StepRecord
+from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP, Engine, WorkerCluster
+from lossreduce.trainer_worker.train.engines.registry import get_engine
+from lossreduce.trainer_worker.train.outputs import RunOutputs, StepObserver, StepRecord
 from lossreduce.trainer_worker.train.placement import WorkerPlacement, create_worker_placement
-from lossreduce.trainer_worker.train.rollout import RolloutBatch, Samples, build_batch, stream_seed
-from lossreduce.trainer_worker.train.task import DigitTask
 from lossreduce.trainer_worker.train.tls import read_ca
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
-from lossreduce.trainer_worker.train.verify import (
-    VerifyReport,
-    compare_gradients,
-    single_process_gradients,
-)
-from lossreduce.trainer_worker.train.worker import REDUCTION_GROUP, WorkerStepResult
+from lossreduce.trainer_worker.train.verify import VerifyReport
 from lossreduce.trainer_worker.train.worker_group import (
     TrainingFailedError,
-    WorkerGroup,
     death_reason,
     short_error,
 )
 
 if TYPE_CHECKING:
     from lossreduce.trainer_worker.train.agent_actor import NodeAgents
-    from lossreduce.trainer_worker.train.trl_model import PolicyCheckpoint
 
 __all__ = ["RunResult", "StepObserver", "TrainingFailedError", "default_out_dir", "run"]
 
 STARTUP_TIMEOUT_S = 120.0
 """Bound on placing the workers, starting them and the coordinator."""
-
-
-class StepObserver(Protocol):
-    """Gets told about progress (the progress bar, tests that inject faults)."""
-
-    def on_rollout(self, step: int) -> None:
-        """The step's rollouts are in; training is about to be dispatched."""
-
-    def on_step(self, record: StepRecord) -> None:
-        """The step finished on every rank."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +67,32 @@ class RunResult:
     out_dir: Path
     records: tuple[StepRecord, ...]
     verify: VerifyReport | None
+
+
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+"""How Ray's notice begins that a new local cluster turned its token authentication on
+by default (logged by :data:`_RAY_AUTH_LOGGER` on every local ``ray.init``)."""
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DropLocalTokenNotice(logging.Filter):
+    """Drops exactly :data:`RAY_TOKEN_NOTICE`: for the single-user cluster this run
+    starts and ends itself, token authentication on is the intended state, not a
+    warning. Security is Ray's default either way; nothing else Ray logs is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_TOKEN_NOTICE)
+
+
+@contextmanager
+def _quiet_local_start() -> Iterator[None]:
+    notice = _DropLocalTokenNotice()
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 @contextmanager
@@ -96,8 +106,12 @@ def _ray_session(settings: TrainSettings) -> Iterator[bool]:
         return
     try:
         if settings.address is None:
-            ray.init(num_cpus=settings.num_cpus, include_dashboard=False, logging_level="WARNING")
+            with _quiet_local_start():
+                ray.init(
+                    num_cpus=settings.num_cpus, include_dashboard=False, logging_level="WARNING"
+                )
         else:
+            # Joining a real cluster: whatever Ray says of its authentication is shown.
             _check_reachable(settings.address)
             ray.init(address=settings.address, logging_level="WARNING")
     except Exception as err:
@@ -193,106 +207,6 @@ def _start_agents(
         raise TrainingFailedError(str(err)) from err
 
 
-def _rollouts(
-    settings: TrainSettings, task: DigitTask, workers: WorkerGroup, step: int
-) -> tuple[RolloutBatch, float]:
-    """Sample on every worker, score, filter: the step's batch and its mean reward."""
-    prompts = task.sample_prompts(
-        settings.prompts_per_step,
-        torch.Generator().manual_seed(stream_seed(settings.seed, "prompts", step)),
-    )
-    count, world = len(prompts), len(workers)
-    bounds = [r * count // world for r in range(world + 1)]
-    ranks = [r for r in range(world) if bounds[r + 1] > bounds[r]]
-    futures = [
-        workers.handles[r].sample.remote(step, prompts.tokens[bounds[r] : bounds[r + 1]], bounds[r])
-        for r in ranks
-    ]
-    samples = Samples.concat(workers.gather(futures, "sampling", step, ranks))
-    prompt_len = prompts.tokens.shape[1]
-    targets = prompts.targets.repeat_interleave(settings.samples_per_prompt, dim=0)
-    rewards = task.score(samples.tokens[:, prompt_len:], targets)  # [N]
-    batch = build_batch(samples, rewards, settings.samples_per_prompt, prompt_len)
-    return batch, float(rewards.mean())
-
-
-def _train_step(
-    workers: WorkerGroup, batch: RolloutBatch, reward: float, step: int, capture: bool = False
-) -> list[WorkerStepResult]:
-    shards = shard_groups(batch.group_tokens(), len(workers))
-    futures = [
-        h.train.remote(step, batch.select_groups(shards[r]), reward, capture)
-        for r, h in enumerate(workers.handles)
-    ]
-    results: list[WorkerStepResult] = workers.gather(futures, "training", step)
-    return results
-
-
-def _record(
-    step: int,
-    batch: RolloutBatch,
-    reward: float,
-    results: Sequence[WorkerStepResult],
-    seconds: float,
-) -> StepRecord:
-    first = results[0]
-    # Show normalizers in the loss's term order (backends may return them sorted).
-    order = [*first.losses, *sorted(set(first.normalizers) - set(first.losses))]
-    return StepRecord(
-        step=step,
-        reward=reward,
-        losses=dict(first.losses),
-        normalizers={term: first.normalizers[term] for term in order},
-        round_latency_s=max(r.round_latency_s for r in results),
-        normalizer_wait_s=max(r.normalizer_wait_s for r in results),
-        step_seconds=seconds,
-        skipped=first.skipped,
-        responses=len(batch),
-        groups=len(batch.group_sizes),
-        tokens=batch.num_tokens,
-    )
-
-
-def _train_loop(
-    settings: TrainSettings, workers: WorkerGroup, observers: Sequence[StepObserver]
-) -> None:
-    task = DigitTask(settings.prompt_len, settings.response_len, settings.max_step)
-    for step in range(settings.steps):
-        start = time.perf_counter()
-        batch, reward = _rollouts(settings, task, workers, step)
-        for observer in observers:
-            observer.on_rollout(step)
-        results = _train_step(workers, batch, reward, step)
-        record = _record(step, batch, reward, results, time.perf_counter() - start)
-        for observer in observers:
-            observer.on_step(record)
-
-
-def _verify(settings: TrainSettings, job: str, workers: WorkerGroup) -> VerifyReport:
-    task = DigitTask(settings.prompt_len, settings.response_len, settings.max_step)
-    batch, reward = _rollouts(settings, task, workers, 0)
-    results = _train_step(workers, batch, reward, 0, capture=True)
-    if results[0].skipped:
-        raise TrainingFailedError(
-            f"--verify: step 0 was empty ({results[0].skip_reason}); try another --seed"
-        )
-    per_rank = workers.gather([h.gradients.remote() for h in workers.handles], "gradient fetch", 0)
-    for rank, grads in enumerate(per_rank[1:], start=1):
-        unequal = [n for n in grads if not torch.equal(grads[n], per_rank[0][n])]
-        if unequal:
-            raise TrainingFailedError(
-                f"--verify: rank {rank}'s summed gradients differ from rank 0's for {unequal}"
-            )
-    single, single_loss = single_process_gradients(settings, job, batch)
-    return compare_gradients(
-        per_rank[0],
-        single,
-        world_size=len(workers),
-        distributed_loss=sum(results[0].losses.values()),
-        single_loss=single_loss,
-    )
-
-
 def _describe_run(
     settings: TrainSettings,
     job: str,
@@ -301,11 +215,13 @@ def _describe_run(
     target: str | None,
     tls_ca: bytes | None,
     agents: NodeAgents | None,
+    engine: Engine,
 ) -> str:
-    """The run's first line: who trains where, and how the normalizers travel."""
+    """The run's first line: who trains where, and how the normalizers travel
+    (the engine adds what is its own)."""
     nodes = len({s.node_id for s in placement.slots})
     line = (
-        f"lossreduce train: job {job!r}, {settings.workers} workers "
+        f"lossreduce train --engine {settings.engine}: job {job!r}, {settings.workers} workers "
         f"({'GPU' if placement.use_gpu else 'CPU'}, {settings.placement}, "
         f"{nodes} node{'s' if nodes > 1 else ''}), normalizer {settings.normalizer}"
     )
@@ -313,7 +229,7 @@ def _describe_run(
         line += f" at {target}{' over TLS' if tls_ca is not None else ''}"
     if agents is not None:
         line += f" through {len(agents.actors)} node agents"
-    return line + f", mode {settings.mode}"
+    return f"{line}, {engine.describe()}"
 
 
 def _wait_ready(coordinator: CoordinatorHandle | None) -> None:
@@ -334,15 +250,16 @@ def default_out_dir(now: datetime | None = None) -> Path:
     return Path("runs") / stamp
 
 
-def _prepare_trl(settings: TrainSettings, out_dir: Path) -> PolicyCheckpoint:
-    """The TRL engine's policy checkpoint (imports TRL only when asked for)."""
+def _build_engine(settings: TrainSettings, job: str, out_dir: Path) -> Engine:
+    """The run's engine, built before Ray starts: a framework that is missing or
+    untested, or a checkpoint that does not load, fails here."""
+    spec = get_engine(settings.engine)
     try:
-        # Imports TRL and checks its version: a missing or untested TRL fails here.
-        from lossreduce.trainer_worker.train.trl_job import prepare_policy
+        factory = spec.load()
     except ImportError as err:
-        raise TrainingFailedError(f"--engine trl: {err}") from err
+        raise TrainingFailedError(f"--engine {spec.name}: {err}") from err
     try:
-        return prepare_policy(settings, out_dir)
+        return factory(settings, job, out_dir)
     except UsageError as err:
         raise TrainingFailedError(str(err)) from err
 
@@ -358,12 +275,10 @@ def run(
     now = datetime.now(UTC)
     job = settings.job or f"train-{now.strftime('%Y%m%d-%H%M%S')}"
     out_dir = settings.out or default_out_dir(now)
-    # --engine trl: its policy checkpoint is checked before Ray starts (bad input costs nothing).
-    trl_policy = _prepare_trl(settings, out_dir) if settings.engine == "trl" else None
+    engine = _build_engine(settings, job, out_dir)
     with _ray_session(settings) as started_local:
         coordinator: CoordinatorHandle | None = None
         placement: WorkerPlacement | None = None
-        workers: WorkerGroup | None = None
         agents: NodeAgents | None = None
         failed = True
         try:
@@ -399,49 +314,43 @@ def run(
                 # Ranks reach their node's agent over loopback: plaintext, same token.
                 targets = [agents.target_of(rank) for rank in range(settings.workers)]
                 cas = [None] * settings.workers
-            if trl_policy is not None:
-                from lossreduce.trainer_worker.train.trl_job import run_trl
-
-                _wait_ready(coordinator)
-                result = run_trl(
-                    settings,
-                    job,
-                    out_dir,
-                    trl_policy,
+            engine.start(
+                WorkerCluster(
                     placement,
-                    targets=targets,
-                    token=token,
-                    tls_ca=cas,
-                    console=console,
-                    observers=observers,
+                    targets,
+                    token,
+                    cas,
+                    failure_notes=agents.dead if agents is not None else tuple,
                 )
-                failed = False
-                return result
-            workers = WorkerGroup.start(
-                settings, job, placement, targets=targets, token=token, tls_ca=cas
             )
-            if agents is not None:
-                workers.failure_notes = agents.dead
             _wait_ready(coordinator)
             console.print(
-                _describe_run(settings, job, placement, target=target, tls_ca=tls_ca, agents=agents)
+                _describe_run(
+                    settings,
+                    job,
+                    placement,
+                    target=target,
+                    tls_ca=tls_ca,
+                    agents=agents,
+                    engine=engine,
+                ),
+                highlight=False,
             )
             if settings.verify:
-                report = _verify(settings, job, workers)
+                report = engine.verify()
                 console.print(report.table())
                 failed = False
                 return RunResult(job, out_dir, (), report)
             with RunOutputs(
                 out_dir, settings.steps, progress=settings.progress, console=console
             ) as outputs:
-                _train_loop(settings, workers, [outputs, *observers])
+                engine.train([outputs, *observers])
             outputs.finish()
             failed = False
             return RunResult(job, out_dir, tuple(outputs.records), None)
         finally:
             try:
-                if workers is not None:
-                    workers.shutdown(graceful=not failed)
+                engine.shutdown(graceful=not failed)
             finally:
                 try:
                     if agents is not None:

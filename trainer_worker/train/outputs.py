@@ -14,6 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 import matplotlib
 
@@ -24,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-__all__ = ["RunOutputs", "StepRecord"]
+__all__ = ["RunOutputs", "StepObserver", "StepRecord"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,16 @@ class StepRecord:
 
 def _fmt_terms(values: dict[str, float]) -> str:
     return " ".join(f"{term}={value:.4g}" for term, value in values.items()) or "-"
+
+
+class StepObserver(Protocol):
+    """Gets told about progress (the progress bar, tests that inject faults)."""
+
+    def on_rollout(self, step: int) -> None:
+        """The step's rollouts are in; training is about to be dispatched."""
+
+    def on_step(self, record: StepRecord) -> None:
+        """The step finished on every rank."""
 
 
 class RunOutputs:

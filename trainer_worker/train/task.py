@@ -15,6 +15,7 @@ only digits and ``EOS`` (``OUTPUT_VOCAB`` = 11); ``BOS`` is input-only.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "OUTPUT_VOCAB",
     "DigitTask",
     "Prompts",
+    "stream_seed",
 ]
 
 EOS = 10
@@ -36,6 +38,15 @@ OUTPUT_VOCAB = 11
 """Tokens the policy can emit: the ten digits and ``EOS``."""
 INPUT_VOCAB = 12
 """Tokens the policy can read: its outputs and ``BOS``."""
+
+
+def stream_seed(seed: int, purpose: str, *keys: int) -> int:
+    """A 63-bit seed for one random stream, e.g. ``("sample", step, first_prompt)``.
+
+    Hashing keeps streams independent and identical in every process.
+    """
+    text = "/".join([str(seed), purpose, *map(str, keys)])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 @dataclass(frozen=True)

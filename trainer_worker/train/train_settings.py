@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lossreduce.trainer_worker.train.trl_flags import check_engine_flags
+from lossreduce.trainer_worker.train.engines.registry import engine_names, get_engine
 
 __all__ = ["Mode", "TrainSettings"]
 
@@ -29,11 +29,11 @@ class TrainSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engine: Literal["torch", "trl"] = Field(
+    engine: str = Field(
         default="torch",
-        description="What trains on each Ray worker: 'torch' (lossreduce's own engine and "
-        "policy) or 'trl' (one Hugging Face TRL GRPO process per worker, "
-        "LossReduceGRPOTrainer; needs pip install 'lossreduce[trl]').",
+        description="What trains on each Ray worker: "
+        + "; ".join(f"'{name}' ({get_engine(name).summary})" for name in engine_names())
+        + ".",
     )
     # -- cluster ------------------------------------------------------------
     address: str | None = Field(
@@ -162,9 +162,9 @@ class TrainSettings(BaseModel):
     heads: int = Field(default=4, ge=1, description="Attention heads per block.")
     model: Path | None = Field(
         default=None,
-        description="--engine trl only: a local Hugging Face causal-LM checkpoint folder "
-        "(with its tokenizer) as the policy (default: a tiny Qwen2 of --d-model, --layers, "
-        "--heads built from its config).",
+        description="A local Hugging Face causal-LM checkpoint folder (with its tokenizer) as "
+        "the policy, for the engines that train one (--engine trl); default there: a tiny Qwen2 "
+        "of --d-model, --layers, --heads built from its config.",
     )
     # -- output ---------------------------------------------------------------
     out: Path | None = Field(
@@ -177,6 +177,13 @@ class TrainSettings(BaseModel):
         "reduced across the workers vs. one process with all the data.",
     )
     progress: bool = Field(default=True, description="Show the live progress bar.")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        if name not in engine_names():
+            raise ValueError(f"no engine {name!r}; choose one of: {', '.join(engine_names())}")
+        return name
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainSettings:
@@ -196,7 +203,7 @@ class TrainSettings(BaseModel):
             )
         if self.d_model % self.heads:
             raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
-        check_engine_flags(self)
+        get_engine(self.engine).check_flags(self)
         return self
 
     @property

@@ -17,18 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from rich.table import Table
 from torch import Tensor
-
-from lossreduce.trainer_worker.engine import TorchTrainEngine
-from lossreduce.trainer_worker.microbatch import MicrobatchSettings, MicrobatchSplitter
-from lossreduce.trainer_worker.normalizers import LocalNormalizer
-from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
-from lossreduce.trainer_worker.train.grpo import GRPOLoss
-from lossreduce.trainer_worker.train.rollout import RolloutBatch
-from lossreduce.trainer_worker.train.train_settings import TrainSettings
-from lossreduce.trainer_worker.train.worker import REDUCTION_GROUP, build_policy
 
 __all__ = [
     "VERIFY_ATOL",
@@ -36,7 +26,6 @@ __all__ = [
     "GradientDiff",
     "VerifyReport",
     "compare_gradients",
-    "single_process_gradients",
 ]
 
 VERIFY_RTOL = 1e-5
@@ -128,37 +117,3 @@ def compare_gradients(
         distributed_loss=distributed_loss,
         single_loss=single_loss,
     )
-
-
-def single_process_gradients(
-    settings: TrainSettings, job: str, batch: RolloutBatch
-) -> tuple[dict[str, torch.Tensor], float]:
-    """The same step in this process on all the data: (gradients, total loss)."""
-    device = torch.device("cpu")
-    policy = build_policy(settings, device)
-    loss = GRPOLoss(
-        PolicyGradientMode(settings.mode),
-        divisor=settings.effective_divisor,
-        kl_coef=settings.kl_coef,
-        clip_eps=settings.clip_eps,
-        prompt_len=batch.prompt_len,
-        temperature=settings.temperature,
-    )
-    captured: dict[str, torch.Tensor] = {}
-
-    def capture(model: torch.nn.Module) -> None:
-        captured.update(
-            {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        )
-
-    engine = TorchTrainEngine(
-        policy,
-        torch.optim.Adam(policy.parameters(), lr=settings.lr),
-        LocalNormalizer(job=job, group=REDUCTION_GROUP),
-        MicrobatchSplitter(MicrobatchSettings(n_microbatches=settings.microbatches)),
-        forward_fn=loss.forward,
-        on_empty_step="raise",
-        grad_sync=capture,
-    )
-    stats = engine.train_batch_with_reduction(batch.as_input(device), loss.reduction)
-    return captured, stats.loss

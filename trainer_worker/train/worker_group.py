@@ -15,13 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
-from pydantic import SecretStr
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lossreduce.trainer_worker.train.placement import BundleSlot, WorkerPlacement, describe_slot
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
-from lossreduce.trainer_worker.train.worker import TrainerWorker, WorkerConfig
 
 __all__ = [
     "FAILURE_GRACE_S",
@@ -122,44 +120,6 @@ class WorkerGroup:
         self.settings = settings
         self.failure_notes: Callable[[], Sequence[str]] = tuple
         """Asked when a phase fails, for more to report (the node agents that are gone)."""
-
-    @classmethod
-    def start(
-        cls,
-        settings: TrainSettings,
-        job: str,
-        placement: WorkerPlacement,
-        *,
-        targets: Sequence[str | None],
-        token: SecretStr | None,
-        tls_ca: Sequence[bytes | None],
-    ) -> WorkerGroup:
-        """One actor per slot in rank order, joined in one torch.distributed group.
-
-        ``targets[rank]`` is what that rank dials (the coordinator, or its node's
-        agent) and ``tls_ca[rank]`` the CA that target's certificate chains to.
-        """
-        actor_cls = ray.remote(TrainerWorker)
-        handles = []
-        for rank in range(len(placement.slots)):
-            config = WorkerConfig(
-                job=job,
-                rank=rank,
-                world_size=settings.workers,
-                coordinator=targets[rank],
-                coordinator_token=token,
-                coordinator_tls_ca=tls_ca[rank],
-                settings=settings,
-            )
-            handles.append(place_rank(actor_cls, config, job, rank, placement))
-        group = cls(handles, placement, settings)
-        # Every rank constructed first (torch imported, policy built: slow on a busy node),
-        # so the rendezvous timeout covers only the join itself.
-        group.gather([h.where.remote() for h in handles], "startup", None)
-        # Rank 0 picks the rendezvous address on its node; everyone joins it.
-        addr, port = group.gather([handles[0].rendezvous_address.remote()], "startup", None)[0]
-        group.gather([h.setup.remote(addr, port) for h in handles], "process-group setup", None)
-        return group
 
     def __len__(self) -> int:
         return len(self.handles)

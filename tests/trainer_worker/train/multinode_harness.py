@@ -29,8 +29,9 @@ NODE_CPUS = 2
 def local_cluster(nodes: int = 3) -> Iterator[Cluster]:
     """A head plus ``nodes - 1`` raylets, joined by this process; all shut down after.
 
-    A start in which a node misses Ray's fixed 30 s registration window is torn
-    down and tried again (up to ``START_ATTEMPTS``), as ``local_ray`` does.
+    A start whose head GCS publishes its port too late, or in which a node misses
+    Ray's fixed 30 s registration window, is torn down and tried again (up to
+    ``START_ATTEMPTS``), as ``local_ray`` does.
     """
     if ray.is_initialized():
         ray.shutdown()
@@ -38,7 +39,7 @@ def local_cluster(nodes: int = 3) -> Iterator[Cluster]:
         try:
             cluster = _start_cluster(nodes)
             break
-        except Exception as err:  # Ray's bare Exception for a slow raylet
+        except Exception as err:  # Ray's errors for a slow GCS or raylet
             if attempt == START_ATTEMPTS or not start_timed_out(err):
                 raise
     try:

@@ -9,7 +9,7 @@ this module turns it into
   ``token_mean`` term of its own, where the batch has ``teacher_logp``) and
   ``rows`` (how many sequences the rank trains on; the engine's own weight
   bookkeeping, see :mod:`.actor`);
-- the per-row weight ``w_i`` of :mod:`lossreduce.trainer_worker.integrations.step_rows`
+- the per-row weight ``w_i`` of :mod:`lossreduce.trainer_worker.step_rows`
   (1, ``1/D_i``, ``1/D_g`` or ``1/C``), so the step's policy-gradient loss is
   ``sum_i w_i * sum_t l[i,t] * m[i,t] / N_pg``: the formula of
   docs/reduction-semantics.md over the step's responses, however AReaL cuts
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lossreduce.trainer_worker.integrations.step_rows import StepRows, plan_rows
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
+from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
 
 __all__ = [
     "DISTILL_TERM",

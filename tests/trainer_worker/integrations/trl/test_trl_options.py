@@ -1,0 +1,114 @@
+"""What LossReduceGRPOTrainer refuses, its TRL version check, and what importing it costs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_importing_the_library_or_the_integrations_package_does_not_import_trl() -> None:
+    done = run_python(
+        "import sys, lossreduce.trainer_worker, lossreduce.trainer_worker.integrations;"
+        "assert 'trl' not in sys.modules and 'transformers' not in sys.modules, 'imported'"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_without_trl_the_import_error_says_what_to_install() -> None:
+    done = run_python(
+        "import sys; sys.modules['trl'] = None\nimport lossreduce.trainer_worker.integrations.trl"
+    )
+    assert done.returncode != 0
+    assert "pip install 'lossreduce[trl]'" in done.stderr
+
+
+def test_settings_validate_mode_divisor_and_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="needs a divisor"):
+        GRPOReductionSettings.model_validate({"mode": "constant"})
+    with pytest.raises(ValueError, match="only valid with mode 'constant'"):
+        GRPOReductionSettings.model_validate({"mode": "seq_mean", "divisor": 4.0})
+    with pytest.raises(ValueError, match="LOSSREDUCE_COORDINATOR"):
+        GRPOReductionSettings(normalizer="coordinator")
+    monkeypatch.setenv("LOSSREDUCE_MODE", "prompt_mean")
+    monkeypatch.setenv("LOSSREDUCE_NORMALIZER", "coordinator")
+    monkeypatch.setenv("LOSSREDUCE_COORDINATOR", "127.0.0.1:5")
+    settings = GRPOReductionSettings()
+    assert (settings.mode, settings.coordinator) == ("prompt_mean", "127.0.0.1:5")
+
+
+# -- with TRL -----------------------------------------------------------------------------
+
+trl_needed = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def trl_module() -> Any:
+    pytest.importorskip("trl", reason="needs the trl extra: pip install 'lossreduce[trl]'")
+    from lossreduce.trainer_worker.integrations import trl as integration
+
+    return integration
+
+
+@trl_needed
+def test_a_trl_version_outside_the_tested_range_is_named(trl_module: Any) -> None:
+    low, high = trl_module.TRL_TESTED
+    trl_module.check_trl_version(str(low))
+    for version in ("1.15.9", str(high)):
+        with pytest.raises(ImportError, match=rf"trl>={low},<{high}, but trl {version}"):
+            trl_module.check_trl_version(version)
+
+
+@trl_needed
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [
+        ({"loss_type": "sapo"}, "loss_type='sapo'"),
+        ({"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
+        ({"use_adaptive_entropy": True}, "use_adaptive_entropy=True"),
+        (
+            {"gradient_accumulation_steps": 2, "steps_per_generation": 3},
+            "steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2",
+        ),
+    ],
+)
+def test_options_it_cannot_honour_are_refused_at_construction(
+    trl_module: Any, tmp_path: Path, option: dict[str, Any], named: str
+) -> None:
+    from trl import GRPOConfig
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        report_to=[],
+        **option,
+    )
+    settings = GRPOReductionSettings(job="refusals")
+    with pytest.raises(ReductionConfigError, match="refusals") as caught:
+        # Refused before TRL loads anything: the model path is never opened.
+        trl_module.LossReduceGRPOTrainer(
+            str(tmp_path / "absent"), None, args=args, reduction=settings
+        )
+    assert named in str(caught.value)

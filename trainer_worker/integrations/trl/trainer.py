@@ -1,0 +1,578 @@
+"""lossreduce inside Hugging Face TRL: :class:`LossReduceGRPOTrainer`.
+
+TRL's ``loss_type`` decides both the per-token loss and what it is divided by;
+the divisors of ``grpo``, ``bnpo`` and ``dr_grpo`` are per micro-step, so an
+optimizer step's update changes with how TRL splits the batch into processes
+and gradient-accumulation micro-steps. This trainer keeps TRL's per-token loss
+(clipping, KL, importance sampling, masks) and replaces the division:
+
+1. Right after each generation batch is generated and split into micro-steps,
+   before any backward, every process computes per-row weights and, for each
+   optimizer step the batch feeds, one partial normalizer per term (policy
+   gradient in ``mode``; the KL for ``beta > 0`` and the entropy bonus each as
+   their own ``token_mean`` term), and the normalizer backend (torch.distributed
+   or the lossreduce coordinator) sums and validates them once.
+2. Each micro-step's loss is its share of the step's global loss,
+   ``num_processes * sum(w_i * l * m) / N``, with gradient accumulation and
+   the processes' gradient averaging accounted for, so the update of one
+   optimizer step is the formula of docs/reduction-semantics.md over that
+   step's completions however TRL split them.
+
+The rounds of every optimizer step of a generation batch start together,
+right after the split, and each is waited for only when its step first
+needs it; every micro-step lets the rounds still in flight progress
+without blocking. Where the policy gradient is the only term (``beta == 0``,
+no entropy bonus, no router aux loss), the micro-step's forward leaves no
+gradient synchronization pending (more than one accumulation micro-step
+without ``sync_each_batch``, or one process) and the round was not answered
+at its start, the first micro-step runs its forward with a divisor of 1 and
+waits for the round after it, before the backward, then divides by the
+global normalizer: the same float operations as dividing inside TRL's loss,
+so the result is bit-identical, and the round hides behind the forward. With
+several terms the divisors sit inside TRL's loss, so the wait comes first.
+Either way ``lossreduce/round_latency_s``, ``lossreduce/normalizer_wait_s``
+(time actually blocked) and ``lossreduce/overlapped`` (1 where the forward
+ran during the round) are logged per optimizer step.
+
+An empty step (a global normalizer of 0) raises the same
+:class:`~lossreduce.errors.EmptyNormalizerError` on every process, or with
+``on_empty_step='skip'`` is skipped on every process: no backward, no
+gradients, so the optimizer leaves weights and its state untouched (a
+forward already run while the round was in flight is discarded; the step's
+later micro-steps run none). A failed round raises on every process before
+that step's backward (a later step's round may fail after earlier steps of
+the same generation batch trained).
+
+Needs ``pip install 'lossreduce[trl]'``; importing :mod:`lossreduce.trainer_worker`
+never imports TRL, only this module does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lossreduce.errors import EmptyNormalizerError, ReductionConfigError
+from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
+from lossreduce.trainer_worker.normalizers import (
+    CoordinatorNormalizer,
+    GlobalNormalizer,
+    LocalNormalizer,
+    NormalizerHandle,
+    ReadyHandle,
+    TorchDistributedNormalizer,
+)
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
+from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
+
+try:
+    import trl
+    from accelerate.utils import DistributedType
+    from packaging.version import Version
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "lossreduce.trainer_worker.integrations.trl needs TRL: pip install 'lossreduce[trl]'"
+    ) from err
+
+__all__ = [
+    "TRL_TESTED",
+    "LossReduceGRPOTrainer",
+    "check_trl_version",
+]
+
+TRL_TESTED = (Version("1.16"), Version("1.17"))
+"""TRL versions this trainer was tested with: [first, second). It relies on
+TRL internals (the ``dapo`` normalization branch, the generation buffer)."""
+
+POLICY_TERM = "pg"
+KL_TERM = "kl"
+ENTROPY_TERM = "entropy"
+
+# Per-token losses of these loss types share one formula (PPO clipping) and
+# differ only in their division, which this trainer replaces by driving TRL's
+# token-sum ("dapo") branch; cispo and vespo already end in that branch.
+_CLIPPED = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
+_TOKEN_SUM = frozenset({"cispo", "vespo"})
+
+_GROUP_KEY = "lossreduce_group"  # [B] prompt group of each row, over the whole generation batch
+_PLAN_KEY = "lossreduce_plan"  # the micro-step's _MicroStep, added after the split
+
+
+def check_trl_version(version: str) -> None:
+    """Raise ImportError unless ``version`` is in :data:`TRL_TESTED`."""
+    low, high = TRL_TESTED
+    if not low <= Version(version) < high:
+        raise ImportError(
+            f"LossReduceGRPOTrainer was tested with trl>={low},<{high}, but trl {version} is "
+            f"installed; install a tested version with pip install 'lossreduce[trl]'"
+        )
+
+
+check_trl_version(trl.__version__)
+
+
+@dataclass
+class _Window:
+    """One optimizer step's normalizer round, started when its batch was split."""
+
+    handle: NormalizerHandle
+    on_empty_step: str
+    answered: bool = False
+    normalizers: dict[str, float] | None = None
+    """The global normalizers by term once answered (None: the step is skipped)."""
+    wait_s: float = 0.0
+    """Seconds this process was blocked waiting for the answer."""
+    reported: bool = False
+    """Whether its round's timing was logged (a reused window logs no wait)."""
+
+    def resolve(self) -> dict[str, float] | None:
+        """Wait for the round (once); its normalizers, None for a skipped step, or
+        the round's error (the same on every process)."""
+        if not self.answered:
+            started = time.perf_counter()
+            try:
+                totals = self.handle.wait()
+            except EmptyNormalizerError:
+                if self.on_empty_step == "raise":
+                    raise
+                self.normalizers = None
+            else:
+                self.normalizers = {t: float(n) for t, n in totals.items()}
+            finally:
+                self.wait_s = time.perf_counter() - started
+            self.answered = True
+        return self.normalizers
+
+
+@dataclass(frozen=True)
+class _MicroStep:
+    """What one micro-step needs beyond TRL's inputs."""
+
+    window: _Window
+    weights: Tensor  # [B] float64: w_i of the micro-step's rows
+    first: bool  # the first micro-step of its optimizer step
+
+
+def _refuse_unsupported(args: Any, settings: GRPOReductionSettings) -> None:
+    """Raise :class:`ReductionConfigError` naming every GRPOConfig option this trainer
+    cannot honour exactly."""
+    problems: list[str] = []
+    loss_type = args.loss_type
+    if loss_type not in _CLIPPED | _TOKEN_SUM:
+        problems.append(
+            f"loss_type={loss_type!r}: TRL computes its per-token loss only in its per-sequence-"
+            f"mean branch, whose division cannot be replaced; use one of "
+            f"{sorted(_CLIPPED | _TOKEN_SUM)}"
+        )
+    if getattr(args, "use_liger_loss", False):
+        problems.append("use_liger_loss=True: the Liger loss computes its own normalization")
+    if args.top_entropy_quantile < 1.0:
+        problems.append(
+            f"top_entropy_quantile={args.top_entropy_quantile}: its token mask is re-drawn per "
+            "micro-step from the current entropies, so no normalizer can count it in advance"
+        )
+    if args.use_adaptive_entropy:
+        problems.append(
+            "use_adaptive_entropy=True: the adaptive coefficient is not supported; use a "
+            "fixed entropy_coef"
+        )
+    spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
+    if spg % ga != 0:
+        problems.append(
+            f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps={ga}: "
+            "an optimizer step would span two generation batches, and its normalizer would be "
+            "needed before its second half is generated"
+        )
+    if problems:
+        raise ReductionConfigError(
+            f"LossReduceGRPOTrainer (job {settings.job!r}, mode {settings.mode.value!r}) cannot "
+            f"honour: {'; '.join(problems)}",
+            job=settings.job,
+            group=settings.group,
+        )
+
+
+class _CloseClient(TrainerCallback):  # type: ignore[misc]
+    def __init__(self, trainer: LossReduceGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.close()
+
+
+class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+    """A :class:`trl.GRPOTrainer` whose loss is normalized by lossreduce.
+
+    Takes GRPOTrainer's arguments (all but the first two by keyword) plus ``reduction`` (default: read from
+    ``LOSSREDUCE_*`` variables). ``skipped_steps`` counts optimizer steps
+    skipped as empty. The coordinator client (``normalizer='coordinator'``)
+    is closed when training ends; after a failed ``train()`` call
+    :meth:`close`.
+    """
+
+    # GRPOTrainer's attributes this class reads or swaps for one micro-step.
+    loss_type: str
+    beta: float
+    entropy_coef: float
+    _entropy_bonus_enabled: bool
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        *,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: list[Callable[..., Any]] | None = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
+        reduction: GRPOReductionSettings | None = None,
+    ) -> None:
+        self.reduction_settings = reduction if reduction is not None else GRPOReductionSettings()
+        if args is not None:
+            _refuse_unsupported(args, self.reduction_settings)
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
+        _refuse_unsupported(self.args, self.reduction_settings)
+        if (
+            self.reduction_settings.on_empty_step == "skip"
+            and self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        ):
+            raise ReductionConfigError(
+                f"LossReduceGRPOTrainer (job {self.reduction_settings.job!r}): "
+                "on_empty_step='skip' with DeepSpeed: its engine steps the optimizer even "
+                "without gradients; use on_empty_step='raise'",
+                job=self.reduction_settings.job,
+                group=self.reduction_settings.group,
+            )
+        self.policy_reduction: PolicyGradientReduction = self.reduction_settings.reduction
+        self.skipped_steps = 0
+        self._normalizer: GlobalNormalizer | None = None
+        self._client: Any = None
+        self._open_windows: list[_Window] = []
+        self.add_callback(_CloseClient(self))
+
+    # -- the normalizer backend ------------------------------------------------------
+
+    def normalizer(self) -> GlobalNormalizer:
+        """The backend summing partials over processes (made on first use)."""
+        if self._normalizer is None:
+            self._normalizer = self._make_normalizer()
+        return self._normalizer
+
+    def _make_normalizer(self) -> GlobalNormalizer:
+        settings = self.reduction_settings
+        if settings.normalizer == "coordinator":
+            from lossreduce.client import ReductionClient
+
+            assert settings.coordinator is not None  # the settings validator requires it
+            self._client = ReductionClient(
+                settings.coordinator,
+                job=settings.job,
+                group=settings.group,
+                rank=self.accelerator.process_index,
+                world_size=self.accelerator.num_processes,
+                settings=settings.client,
+            )
+            return CoordinatorNormalizer(self._client)
+        if self.accelerator.num_processes == 1:
+            return LocalNormalizer(job=settings.job, group=settings.group)
+        return TorchDistributedNormalizer(job=settings.job, group=settings.group)
+
+    def close(self) -> None:
+        """Close the coordinator client, if any; the next step opens a new one.
+
+        Rounds of the current generation batch still in flight end with it
+        (ClientClosedError if a later ``train()`` call resumes inside that batch).
+        """
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._normalizer = None
+        self._open_windows = []
+
+    @property
+    def contracts(self) -> dict[str, str]:
+        """Term name -> contract of every term of this run."""
+        out = {POLICY_TERM: self.policy_reduction.contract_for("sum")}
+        token_mean = PolicyGradientReduction("token_mean").contract_for("sum")
+        if self.beta != 0.0:
+            out[KL_TERM] = token_mean
+        if self._entropy_bonus_enabled:
+            out[ENTROPY_TERM] = token_mean
+        return out
+
+    # -- generation: mark groups, then plan every optimizer step of the batch --------
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output: dict[str, Any] = super()._generate_and_score_completions(inputs)
+        rows = output["completion_ids"].size(0)
+        # TRL scores groups as consecutive num_generations rows of the batch
+        # gathered in process order; number them the same way.
+        first = self.accelerator.process_index * rows
+        index = torch.arange(first, first + rows, device=output["completion_ids"].device)
+        output[_GROUP_KEY] = torch.div(index, self.num_generations, rounding_mode="floor")
+        return output
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        buffered = self._buffered_inputs
+        inputs: dict[str, Any] = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._buffered_inputs is not buffered:
+            self._plan(self._buffered_inputs)
+        return inputs
+
+    def _plan(self, slices: list[dict[str, Any]]) -> None:
+        """Reduce the normalizers of every optimizer step of a new generation batch."""
+        ga = self.args.gradient_accumulation_steps
+        n_windows = len(slices) // ga
+        masks = [_loss_mask(s) for s in slices]  # each [B, T]
+        local = torch.cat(
+            [
+                torch.stack(
+                    [
+                        torch.full((m.size(0),), float(i // ga), dtype=torch.float64),
+                        s[_GROUP_KEY].detach().to("cpu", torch.float64),
+                        m.sum(-1).to("cpu", torch.float64),
+                    ],
+                    dim=1,
+                )
+                for i, (s, m) in enumerate(zip(slices, masks, strict=True))
+            ]
+        )  # [R_local, 3]: window, group, tokens
+        device = self.accelerator.device
+        table = self.accelerator.gather(local.to(device)).cpu()  # [R, 3]
+        rows_per_process = local.size(0)
+        rows = StepRows(
+            process=torch.div(torch.arange(table.size(0)), rows_per_process, rounding_mode="floor"),
+            window=table[:, 0].long(),
+            group=table[:, 1].long(),
+            tokens=table[:, 2],
+        )
+        plan = plan_rows(self.policy_reduction, rows, self.accelerator.process_index, n_windows)
+        # Every step's round in flight at once; each is waited for when needed.
+        windows = self._open_windows = [
+            self._start_window(w, plan.policy_partials[w], plan.token_partials[w])
+            for w in range(n_windows)
+        ]
+        offset = 0
+        for i, (s, m) in enumerate(zip(slices, masks, strict=True)):
+            s[_PLAN_KEY] = _MicroStep(
+                window=windows[i // ga],
+                weights=plan.weights[offset : offset + m.size(0)],
+                first=i % ga == 0,
+            )
+            offset += m.size(0)
+
+    def _start_window(self, window: int, policy: float, tokens: float) -> _Window:
+        step = int(self.state.global_step) + window
+        partials = {POLICY_TERM: policy}
+        if self.beta != 0.0:
+            partials[KL_TERM] = tokens
+        if self._entropy_bonus_enabled:
+            partials[ENTROPY_TERM] = tokens
+        device = self.accelerator.device
+        handle = self.normalizer().start(
+            step,
+            {t: torch.tensor(v, dtype=torch.float64, device=device) for t, v in partials.items()},
+            self.contracts,
+        )
+        return _Window(handle, self.reduction_settings.on_empty_step)
+
+    # -- the loss -------------------------------------------------------------------
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+        micro: _MicroStep | None = inputs.get(_PLAN_KEY)
+        if micro is None:
+            # Evaluation batches are neither accumulated nor split: TRL's own loss.
+            loss: Tensor = super()._compute_loss(model, inputs)
+            return loss
+        inputs = {k: v for k, v in inputs.items() if k not in (_PLAN_KEY, _GROUP_KEY)}
+        self._poll_windows()
+        window = micro.window
+        deferred: Tensor | None = None
+        logged: dict[str, int] = {}
+        if not window.answered and self._may_defer(micro):
+            logged = {key: len(values) for key, values in self._metrics["train"].items()}
+            # The forward runs while the round is in flight; divided below.
+            deferred = self._scaled_loss(model, inputs, micro.weights, None)
+        normalizers = window.resolve()
+        if normalizers is None and deferred is not None:
+            # The discarded forward's own metrics go with it.
+            self._truncate_metrics(logged)
+        if micro.first:
+            self._log_window(window, overlapped=deferred is not None)
+        if normalizers is None:
+            if micro.first:
+                self.skipped_steps += 1
+            # No backward through any forward: no parameter gets a gradient, so the
+            # optimizer step that follows changes neither the weights nor its state.
+            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+        if deferred is not None:
+            return deferred / self._divisor(normalizers[POLICY_TERM], deferred.device)
+        return self._scaled_loss(model, inputs, micro.weights, normalizers)
+
+    def _poll_windows(self) -> None:
+        """Let every round of the generation batch progress without blocking: the
+        coordinator client has no thread of its own, so its answers and retries
+        move only while someone polls or waits."""
+        for window in self._open_windows:
+            if not window.answered:
+                window.handle.done()
+
+    def _truncate_metrics(self, lengths: dict[str, int]) -> None:
+        metrics = self._metrics["train"]
+        for key in list(metrics):
+            if key in lengths:
+                del metrics[key][lengths[key] :]
+            else:
+                del metrics[key]
+
+    def _may_defer(self, micro: _MicroStep) -> bool:
+        """Whether this micro-step may run its forward before its round is answered.
+
+        Only the policy-gradient term may be divided after the forward (every other
+        term's divisor sits inside TRL's loss), and only a forward that leaves no
+        gradient synchronization pending may be discarded when the step is skipped
+        (DDP expects a backward after a synchronizing forward).
+        """
+        single_term = (
+            self.beta == 0.0
+            and not self._entropy_bonus_enabled
+            and not getattr(self, "aux_loss_enabled", False)
+        )
+        sync_each = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+        no_sync_pending = self.accelerator.num_processes == 1 or (
+            self.current_gradient_accumulation_steps > 1 and not sync_each
+        )
+        # A round answered when it started (one process) gains nothing.
+        in_flight = not isinstance(micro.window.handle, ReadyHandle)
+        if not (
+            self.reduction_settings.overlap
+            and single_term
+            and micro.first
+            and no_sync_pending
+            and in_flight
+        ):
+            return False
+        # The placeholder divisor must be exactly 1 for the later division to be
+        # bit-exact (it is whenever steps_per_generation is a multiple of the
+        # micro-steps of this window; a short last window of an epoch may not be).
+        placeholder = self._divisor(float(self.accelerator.num_processes), torch.device("cpu"))
+        return float(placeholder) == 1.0
+
+    def _divisor(self, n_pg: float, device: torch.device) -> Tensor:
+        """TRL's token-sum divisor for ``num_items_in_batch = n_pg * spg / GA``, in
+        the float operations TRL's ``dapo`` branch uses (train mode)."""
+        ga: int = self.current_gradient_accumulation_steps
+        spg: int = self.args.steps_per_generation
+        processes: int = self.accelerator.num_processes
+        num_items = torch.tensor(n_pg * spg / ga, dtype=torch.float64, device=device)
+        return num_items.clamp(min=1.0) / processes * ga / spg
+
+    def _log_window(self, window: _Window, *, overlapped: bool) -> None:
+        metrics = self._metrics["train"]
+        metrics["lossreduce/skipped"].append(float(window.normalizers is None))
+        metrics["lossreduce/overlapped"].append(float(overlapped))
+        for term, value in (window.normalizers or {}).items():
+            metrics[f"lossreduce/normalizer/{term}"].append(value)
+        # A window trained on again (num_iterations > 1) ran no round this time.
+        latency = window.handle.latency_s if not window.reported else 0.0
+        metrics["lossreduce/round_latency_s"].append(latency if latency is not None else 0.0)
+        metrics["lossreduce/normalizer_wait_s"].append(0.0 if window.reported else window.wait_s)
+        window.reported = True
+
+    def _scaled_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        weights: Tensor,
+        normalizers: dict[str, float] | None,
+    ) -> Tensor:
+        """TRL's loss with the division replaced (see the module docstring);
+        ``normalizers=None``: the policy-gradient-only loss with a divisor of
+        exactly 1, to be divided by :meth:`_divisor` once the round is answered.
+
+        TRL's token-sum branch computes ``sum((pg + beta * kl) * m) / D`` with
+        ``D = num_items_in_batch / P * GA / steps_per_generation`` and subtracts
+        ``coef * sum(H * m) / max(sum(m), 1) / GA``. With the advantages
+        scaled by ``w_i >= 0`` (the clipped, cispo and vespo per-token losses
+        are positively homogeneous in the advantage), ``num_items_in_batch``
+        set so that ``D = N_pg / P``, ``beta`` scaled by ``N_pg / N_kl`` and
+        ``coef`` by ``P * GA * max(sum(m), 1) / N_entropy``, that is exactly
+        ``P * (sum(w * pg * m) / N_pg + beta * sum(kl * m) / N_kl
+        - coef * sum(H * m) / N_entropy)``; the processes' gradient average
+        divides the P back out.
+        """
+        processes = self.accelerator.num_processes
+        ga = self.current_gradient_accumulation_steps
+        spg = self.args.steps_per_generation
+        # Deferred: N_pg = P makes num_items_in_batch = P * spg / GA an integer
+        # (spg is a multiple of GA), so TRL's D = ((num_items / P) * GA) / spg is
+        # exactly 1.0 and dividing by it changes no bit.
+        n_pg = normalizers[POLICY_TERM] if normalizers is not None else float(processes)
+        advantages = inputs["advantages"]
+        scale = weights.to(device=advantages.device, dtype=advantages.dtype)  # [B]
+        inputs["advantages"] = advantages * (scale if advantages.dim() == 1 else scale[:, None])
+        inputs["num_items_in_batch"] = torch.tensor(
+            n_pg * spg / ga, dtype=torch.float64, device=advantages.device
+        )
+        saved = (self.loss_type, self.beta, self.entropy_coef)
+        logged = len(self._metrics["train"].get("entropy_coef", ()))
+        try:
+            if self.loss_type in _CLIPPED:
+                self.loss_type = "dapo"
+            if normalizers is None:
+                # _may_defer admits the policy-gradient term alone.
+                assert self.beta == 0.0, "a deferred loss has no KL term"
+                assert not self._entropy_bonus_enabled, "a deferred loss has no entropy term"
+            else:
+                if self.beta != 0.0:
+                    self.beta = saved[1] * n_pg / normalizers[KL_TERM]
+                if self._entropy_bonus_enabled:
+                    local_tokens = max(float(_loss_mask(inputs).sum()), 1.0)
+                    self.entropy_coef = (
+                        saved[2] * processes * ga * local_tokens / normalizers[ENTROPY_TERM]
+                    )
+            loss: Tensor = super()._compute_loss(model, inputs)
+        finally:
+            self.loss_type, self.beta, self.entropy_coef = saved
+        coef_log = self._metrics["train"].get("entropy_coef")
+        if coef_log is not None and len(coef_log) > logged:
+            coef_log[-1] = self.entropy_coef  # TRL logged the scaled coefficient
+        return loss
+
+
+def _loss_mask(inputs: dict[str, Any]) -> Tensor:
+    """[B, T] the tokens whose loss counts, as TRL's loss masks them."""
+    mask: Tensor = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    return mask

@@ -1,0 +1,213 @@
+"""Rollouts: sample several responses per prompt, score, filter, assemble.
+
+Sampling runs on the workers (each on its slice of the step's prompts, with a
+generator seeded from ``(seed, step, first prompt)`` so a rerun draws the same
+tokens); scoring, filtering and advantages run on the driver, which sees whole
+prompt groups.
+
+The filter makes prompt groups ragged, as real pipelines do: identical
+responses within a group are dropped (keep the first), and a group whose
+remaining responses all scored the same is dropped (it carries no
+group-relative signal — DAPO's dynamic sampling). When the policy has solved
+every prompt of a step the whole step is filtered out: that is an *empty step*,
+handled by ``--on-empty-step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lossreduce.trainer_worker.train.engines.torch.grpo import group_advantages
+from lossreduce.trainer_worker.train.engines.torch.model import response_logprobs
+from lossreduce.trainer_worker.train.task import EOS
+
+__all__ = [
+    "RolloutBatch",
+    "Samples",
+    "build_batch",
+    "filter_groups",
+    "sample_responses",
+]
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Responses sampled for consecutive prompts, ``samples_per_prompt`` each."""
+
+    tokens: torch.Tensor
+    """``[N, P + L]`` long: prompt then response (``EOS``-padded)."""
+    loss_mask: torch.Tensor
+    """``[N, L]`` float: 1 for generated tokens up to and including ``EOS``."""
+    old_logprobs: torch.Tensor
+    """``[N, L]`` float: log-probs under the sampling policy."""
+    ref_logprobs: torch.Tensor
+    """``[N, L]`` float: log-probs under the frozen reference policy."""
+
+    @staticmethod
+    def concat(parts: Sequence[Samples]) -> Samples:
+        return Samples(
+            tokens=torch.cat([p.tokens for p in parts]),
+            loss_mask=torch.cat([p.loss_mask for p in parts]),
+            old_logprobs=torch.cat([p.old_logprobs for p in parts]),
+            ref_logprobs=torch.cat([p.ref_logprobs for p in parts]),
+        )
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Filtered responses grouped by prompt, ready for the loss."""
+
+    tokens: torch.Tensor
+    """``[N, P + L]`` long."""
+    loss_mask: torch.Tensor
+    """``[N, L]`` float."""
+    old_logprobs: torch.Tensor
+    """``[N, L]`` float."""
+    ref_logprobs: torch.Tensor
+    """``[N, L]`` float."""
+    advantages: torch.Tensor
+    """``[N]`` float: group-relative advantage of each response."""
+    group_sizes: tuple[int, ...]
+    """Responses per prompt group, in row order; sums to ``N``."""
+    prompt_len: int
+    """``P``: tokens of prompt before each response."""
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def group_tokens(self) -> list[int]:
+        """Loss tokens per prompt group."""
+        per_row = self.loss_mask.sum(dim=1).tolist()  # [N]
+        out, start = [], 0
+        for size in self.group_sizes:
+            out.append(int(sum(per_row[start : start + size])))
+            start += size
+        return out
+
+    def as_input(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The engine's batch: named tensors on ``device`` (see ``GRPOLoss``)."""
+        return {
+            "tokens": self.tokens.to(device),
+            "loss_mask": self.loss_mask.to(device),
+            "old_logprobs": self.old_logprobs.to(device),
+            "ref_logprobs": self.ref_logprobs.to(device),
+            "advantages": self.advantages.to(device),
+            "group_sizes": torch.tensor(self.group_sizes, dtype=torch.long, device=device),
+        }
+
+    def select_groups(self, groups: Sequence[int]) -> RolloutBatch:
+        """The sub-batch holding the given prompt groups, whole and in the given order."""
+        offsets = [0]
+        for size in self.group_sizes:
+            offsets.append(offsets[-1] + size)
+        rows = [r for g in groups for r in range(offsets[g], offsets[g + 1])]
+        index = torch.tensor(rows, dtype=torch.long)
+        return RolloutBatch(
+            tokens=self.tokens[index],
+            loss_mask=self.loss_mask[index],
+            old_logprobs=self.old_logprobs[index],
+            ref_logprobs=self.ref_logprobs[index],
+            advantages=self.advantages[index],
+            group_sizes=tuple(self.group_sizes[g] for g in groups),
+            prompt_len=self.prompt_len,
+        )
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: nn.Module,
+    reference: nn.Module | None,
+    prompt_tokens: torch.Tensor,
+    *,
+    samples_per_prompt: int,
+    response_len: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> Samples:
+    """Sample ``samples_per_prompt`` responses for each of ``prompt_tokens`` ``[B, P]``.
+
+    Rows come out grouped: the responses of prompt ``b`` are rows
+    ``b * samples_per_prompt ... (b + 1) * samples_per_prompt - 1``.
+    """
+    device = prompt_tokens.device
+    prompt_len = prompt_tokens.shape[1]
+    seqs = prompt_tokens.repeat_interleave(samples_per_prompt, dim=0)  # [N, P]
+    finished = torch.zeros(seqs.shape[0], dtype=torch.bool, device=device)  # [N]
+    masks = []
+    for _ in range(response_len):
+        logits = policy(seqs)[:, -1].float() / temperature  # [N, V]
+        # Sample on CPU with the seeded generator: identical draws on every device.
+        drawn = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator)
+        drawn = drawn.squeeze(1).to(device)  # [N]
+        masks.append((~finished).float())
+        drawn = torch.where(finished, torch.full_like(drawn, EOS), drawn)
+        finished |= drawn == EOS
+        seqs = torch.cat([seqs, drawn.unsqueeze(1)], dim=1)
+    loss_mask = torch.stack(masks, dim=1)  # [N, L]
+    old = response_logprobs(policy, seqs, prompt_len, temperature)  # [N, L]
+    ref = (
+        response_logprobs(reference, seqs, prompt_len, temperature)
+        if reference is not None
+        else torch.zeros_like(old)
+    )
+    return Samples(tokens=seqs, loss_mask=loss_mask, old_logprobs=old, ref_logprobs=ref)
+
+
+def filter_groups(
+    responses: torch.Tensor, rewards: torch.Tensor, samples_per_prompt: int
+) -> tuple[list[int], list[int]]:
+    """Rows to keep and the resulting group sizes.
+
+    ``responses`` ``[N, L]`` and ``rewards`` ``[N]`` come grouped by prompt,
+    ``samples_per_prompt`` rows each. Within a group, a response identical to
+    an earlier one is dropped; then a group whose kept rewards are all equal
+    (including a group of one) is dropped whole.
+    """
+    if responses.shape[0] % samples_per_prompt:
+        raise ValueError(
+            f"{responses.shape[0]} responses are not a multiple of "
+            f"samples_per_prompt={samples_per_prompt}"
+        )
+    keep: list[int] = []
+    sizes: list[int] = []
+    rows = responses.tolist()
+    scores = rewards.tolist()
+    for start in range(0, len(rows), samples_per_prompt):
+        seen: set[tuple[int, ...]] = set()
+        group = []
+        for row in range(start, start + samples_per_prompt):
+            key = tuple(rows[row])
+            if key not in seen:
+                seen.add(key)
+                group.append(row)
+        if len({scores[r] for r in group}) > 1:
+            keep.extend(group)
+            sizes.append(len(group))
+    return keep, sizes
+
+
+def build_batch(
+    samples: Samples, rewards: torch.Tensor, samples_per_prompt: int, prompt_len: int
+) -> RolloutBatch:
+    """Filter ``samples`` and attach group-relative advantages."""
+    responses = samples.tokens[:, prompt_len:]
+    keep, sizes = filter_groups(responses, rewards, samples_per_prompt)
+    index = torch.tensor(keep, dtype=torch.long)
+    kept_rewards = rewards[index]
+    return RolloutBatch(
+        tokens=samples.tokens[index],
+        loss_mask=samples.loss_mask[index],
+        old_logprobs=samples.old_logprobs[index],
+        ref_logprobs=samples.ref_logprobs[index],
+        advantages=group_advantages(kept_rewards, sizes),
+        group_sizes=tuple(sizes),
+        prompt_len=prompt_len,
+    )
