@@ -8,6 +8,7 @@ environment).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from areal.engine.fsdp_engine import FSDPPPOActor
@@ -25,12 +26,14 @@ class LossReduceFSDPPPOActor(LossReduceActorMixin, FSDPPPOActor):  # type: ignor
         super().__init__(config, reduction=reduction)
 
 
+@functools.cache
 def lossreduce_actor(actor_cls: type[Any]) -> type[Any]:
     """``actor_cls`` (an AReaL PPO actor class) with :class:`LossReduceActorMixin` before it.
 
     ``lossreduce_actor(FSDPPPOActor)`` is :class:`LossReduceFSDPPPOActor`;
     ``MegatronPPOActor`` and ``ArchonPPOActor`` get the same mixin, untested
     (neither runs on this project's CPU machines; see docs/frameworks/areal.md).
+    One class per ``actor_cls``, made on the first call.
     """
     if actor_cls is FSDPPPOActor:
         return LossReduceFSDPPPOActor

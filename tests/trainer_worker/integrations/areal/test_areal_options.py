@@ -167,3 +167,18 @@ def test_gradient_scaling_keeps_the_value_and_scales_the_gradient(
     (y * 2.0).sum().backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, 2.0 * factors)
+
+
+def test_lossreduce_actor_puts_the_mixin_first_once_per_class() -> None:
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from lossreduce.trainer_worker.integrations.areal import LossReduceActorMixin, lossreduce_actor
+
+    assert lossreduce_actor(FSDPPPOActor) is LossReduceFSDPPPOActor
+
+    class OtherActor(FSDPPPOActor):  # type: ignore[misc]
+        """Stands for MegatronPPOActor or ArchonPPOActor, which cannot be imported here."""
+
+    made = lossreduce_actor(OtherActor)
+    assert made.__mro__[1:3] == (LossReduceActorMixin, OtherActor)
+    assert lossreduce_actor(OtherActor) is made
