@@ -9,7 +9,7 @@ DEMO_ARGS ?=
 # Extra pytest flags, e.g. `make test PYTEST_ARGS="-k round_table -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck linked-tree docs pytest test-verl proto install install-dev bench clean
+.PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-areal proto install install-dev bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
@@ -58,7 +58,8 @@ docs: $(VENV)/.installed-dev linked-tree
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 pytest: $(VENV)/.installed-dev
-	$(BIN)/pytest --ignore=tests/trainer_worker/integrations/verl $(PYTEST_ARGS)
+	$(BIN)/pytest --ignore=tests/trainer_worker/integrations/verl \
+		--ignore=tests/trainer_worker/integrations/areal $(PYTEST_ARGS)
 
 # verl 0.9.1 pins transformers<5.11 (the trl extra needs >=5.24): its tests run in
 # an environment of their own. verl itself goes in --no-deps (its GPU-only
@@ -79,7 +80,26 @@ $(VERL_VENV)/.installed: pyproject.toml $(VERL_REQS)
 test-verl: $(VERL_VENV)/.installed
 	$(VERL_VENV)/bin/pytest tests/trainer_worker/integrations/verl $(PYTEST_ARGS)
 
-test: lint docs typecheck pytest test-verl
+# AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal)
+# run in an environment of their own: lossreduce[areal] pinned by the constraints
+# file, then areal and swanlab without their dependencies (docs/frameworks/areal.md).
+AREAL_VENV ?= .venv-areal
+AREAL_PY := $(AREAL_VENV)/bin/python
+AREAL_CONSTRAINTS := tests/trainer_worker/integrations/areal/constraints.txt
+$(AREAL_VENV)/.installed: pyproject.toml $(AREAL_CONSTRAINTS)
+	rm -rf $(AREAL_VENV)
+	$(PYTHON) -m venv $(AREAL_VENV)
+	$(AREAL_PY) -m pip install --quiet --upgrade pip
+	PYTHONWARNINGS="ignore:Editable installation" $(AREAL_PY) -m pip install --quiet \
+		-c $(AREAL_CONSTRAINTS) -e '.[areal]' pytest pytest-timeout hypothesis
+	$(AREAL_PY) -m pip install --quiet --no-deps areal==1.0.4 swanlab==0.6.12
+	touch $@
+
+test-areal: $(AREAL_VENV)/.installed
+	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal $(PYTEST_ARGS)
+
+# Frameworks whose pins conflict with ours run in environments of their own.
+test: lint docs typecheck pytest test-verl test-areal
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
@@ -89,4 +109,4 @@ bench: $(VENV)/.installed
 	$(BIN)/lossreduce bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(AREAL_VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis

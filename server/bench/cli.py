@@ -27,7 +27,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lossreduce.server.bench.contenders import Endpoints
-from lossreduce.server.bench.e2e import run_e2e, run_trl_e2e, run_verl_e2e
+from lossreduce.server.bench.e2e import run_areal_e2e, run_e2e, run_trl_e2e, run_verl_e2e
 from lossreduce.server.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
 from lossreduce.server.bench.report import (
     format_table,
@@ -340,6 +340,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     e2e = None
     e2e_trl = None
     e2e_verl = None
+    e2e_areal = None
     if settings.e2e:
         # After the servers stopped: training starts its own Ray cluster and coordinator.
         print("end to end: lossreduce train, --normalizer torch vs coordinator", flush=True)
@@ -355,6 +356,8 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         e2e_trl = run_trl_e2e()
         print("end to end: a verl actor step, lossreduce normalizers vs verl's token-mean")
         e2e_verl = run_verl_e2e()
+        print("end to end: AReaL's PPO update, LossReduce actor vs AReaL's own", flush=True)
+        e2e_areal = run_areal_e2e()
     checks = targets(
         results,
         hierarchical_world_size=settings.hierarchical_nodes * settings.ranks_per_node,
@@ -370,6 +373,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "e2e": e2e,
         "e2e_trl": e2e_trl,
         "e2e_verl": e2e_verl,
+        "e2e_areal": e2e_areal,
         "notes": [
             "latency: from the first rank issuing its contribution to the last rank holding "
             "the sums (perf_counter_ns across processes); rounds/s = 1 / mean latency",

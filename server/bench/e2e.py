@@ -15,12 +15,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "TRL_TARGET_RATIO",
     "E2EError",
     "E2EResult",
     "abba",
+    "run_areal_e2e",
     "run_e2e",
     "run_trl_e2e",
     "run_verl_e2e",
@@ -118,6 +120,31 @@ def run_e2e(
     )
 
 
+def _framework_step(
+    label: str, baseline: str, field: str, result: Any
+) -> dict[str, float | int | bool]:
+    """Print and return one framework's step with lossreduce vs its own ``baseline``
+    (``result`` has ``lossreduce_step_s``, ``{field}_step_s``, the step counts of both
+    and ``ratio``), judged against :data:`TRL_TARGET_RATIO`."""
+    base_s, base_steps = getattr(result, f"{field}_step_s"), getattr(result, f"{field}_steps")
+    met = result.ratio <= TRL_TARGET_RATIO
+    print(
+        f"  {label} step: lossreduce {result.lossreduce_step_s * 1e3:.1f} ms vs {baseline} "
+        f"{base_s * 1e3:.1f} ms (median of {result.lossreduce_steps} / {base_steps} steps, "
+        f"ABBA): ratio {result.ratio:.3f}, target <= {TRL_TARGET_RATIO} "
+        f"{'met' if met else 'NOT met'}",
+        flush=True,
+    )
+    return {
+        "lossreduce_step_s": result.lossreduce_step_s,
+        f"{field}_step_s": base_s,
+        "lossreduce_steps": result.lossreduce_steps,
+        f"{field}_steps": base_steps,
+        "ratio": result.ratio,
+        "met": met,
+    }
+
+
 def run_trl_e2e() -> dict[str, float | int | bool] | None:
     """A TRL GRPO optimizer step with lossreduce's normalizers vs TRL's own ``dapo``
     (median over steps, ABBA order, one process): the ratio and whether it meets
@@ -127,22 +154,7 @@ def run_trl_e2e() -> dict[str, float | int | bool] | None:
     except ImportError as err:
         print(f"  TRL step: skipped ({err})", flush=True)
         return None
-    result = run_trl_bench()
-    print(
-        f"  TRL step: lossreduce {result.lossreduce_step_s * 1e3:.1f} ms vs dapo "
-        f"{result.dapo_step_s * 1e3:.1f} ms (median of {result.lossreduce_steps} / "
-        f"{result.dapo_steps} steps, ABBA): ratio {result.ratio:.3f}, target <= "
-        f"{TRL_TARGET_RATIO} {'met' if result.ratio <= TRL_TARGET_RATIO else 'NOT met'}",
-        flush=True,
-    )
-    return {
-        "lossreduce_step_s": result.lossreduce_step_s,
-        "dapo_step_s": result.dapo_step_s,
-        "lossreduce_steps": result.lossreduce_steps,
-        "dapo_steps": result.dapo_steps,
-        "ratio": result.ratio,
-        "met": result.ratio <= TRL_TARGET_RATIO,
-    }
+    return _framework_step("TRL", "dapo", "dapo", run_trl_bench())
 
 
 def run_verl_e2e() -> dict[str, float | int | bool] | None:
@@ -158,13 +170,17 @@ def run_verl_e2e() -> dict[str, float | int | bool] | None:
     # Imports verl only inside run_verl_bench, after choosing its platform.
     from lossreduce.trainer_worker.integrations.verl.bench import run_verl_bench
 
-    result = run_verl_bench()
-    met = result.ratio <= TRL_TARGET_RATIO
-    print(
-        f"  verl step: lossreduce {result.lossreduce_step_s * 1e3:.1f} ms vs token-mean "
-        f"{result.verl_step_s * 1e3:.1f} ms (median of {result.lossreduce_steps} / "
-        f"{result.verl_steps} steps, ABBA): ratio {result.ratio:.3f}, target <= "
-        f"{TRL_TARGET_RATIO} {'met' if met else 'NOT met'}",
-        flush=True,
-    )
-    return {**dict(vars(result)), "ratio": result.ratio, "met": met}
+    return _framework_step("verl", "token-mean", "verl", run_verl_bench())
+
+
+def run_areal_e2e() -> dict[str, float | int | bool] | None:
+    """AReaL's PPO update with LossReduceFSDPPPOActor vs AReaL's own FSDPPPOActor
+    (median over steps, ABBA order, one process): the ratio and whether it meets
+    :data:`TRL_TARGET_RATIO` (the same 1.03); None, said in one line, where AReaL
+    is not installed (it has an environment of its own: docs/frameworks/areal.md)."""
+    try:
+        from lossreduce.trainer_worker.integrations.areal.bench import run_areal_bench
+    except ImportError as err:
+        print(f"  AReaL step: skipped ({err})", flush=True)
+        return None
+    return _framework_step("AReaL", "AReaL", "areal", run_areal_bench())

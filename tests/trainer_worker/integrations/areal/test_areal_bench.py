@@ -1,0 +1,33 @@
+"""The AReaL step benchmark of ``lossreduce bench --e2e`` runs both actors on a small workload."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lossreduce.server.bench.e2e import run_areal_e2e
+from lossreduce.trainer_worker.integrations.areal.bench import ArealBenchSettings, run_areal_bench
+
+# The bench keeps AReaL's torch.compile of its log-probabilities; tracing it makes
+# dynamo touch a non-leaf tensor's .grad internally, which warns.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+)
+
+
+def test_the_bench_times_both_actors_abba() -> None:
+    settings = ArealBenchSettings(steps=3, blocks=1, groups=2, group_size=2, max_length=24)
+    result = run_areal_bench(settings)
+    # Two runs of each actor per ABBA block, each dropping its first step.
+    assert result.lossreduce_steps == result.areal_steps == 2 * (settings.steps - 1)
+    assert result.lossreduce_step_s > 0
+    assert result.areal_step_s > 0
+    assert math.isfinite(result.ratio)
+
+
+def test_bench_e2e_reports_the_areal_ratio() -> None:
+    got = run_areal_e2e()
+    assert got is not None
+    assert got["ratio"] == got["lossreduce_step_s"] / got["areal_step_s"]
+    assert got["met"] == (got["ratio"] <= 1.03)

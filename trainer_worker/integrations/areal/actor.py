@@ -1,0 +1,384 @@
+"""AReaL PPO actors whose update is normalized by lossreduce.
+
+AReaL's ``PPOActor`` calls ``engine.train_batch(batch, loss_fn, loss_weight_fn)``
+once per optimizer step. :class:`LossReduceActorMixin`, placed before an AReaL
+actor class (``FSDPPPOActor``; ``MegatronPPOActor`` and ``ArchonPPOActor``
+through :func:`lossreduce_actor`), intercepts that call:
+
+1. Before any forward it plans the step (:mod:`.plan`): one partial per term
+   and the weight ``w_i`` of every row, and the problems of this rank's
+   inputs. The normalizer backend (torch.distributed over the engine's
+   data-parallel group, or the coordinator) sums and validates the partials
+   in float64; an invalid partial, a NaN loss input or an empty step raises
+   the same way on every rank, before any backward. A rank with bad inputs
+   still takes part in the round with NaN partials, so its peers abort at
+   once (RoundAbortedError naming it) while it raises InvalidPartialError
+   naming its inputs.
+2. It then calls the engine's own ``train_batch`` with the weights attached
+   to the batch as :data:`~.plan.WEIGHT_KEY`, a loss function that wraps
+   AReaL's and a weight function that counts each micro-batch's sequences.
+
+AReaL's loss for a micro-batch ``b`` is ``sum_t l_t / n_b`` (its own token
+count ``n_b``) and the engine scales it by ``r_b / R * k``, where ``r_b`` is
+now the micro-batch's sequences, ``R`` their sum over the ranks (exact in
+float32 below 2^24; the ``rows`` term gives it exactly) and ``k`` the engine's
+multiplier that its gradient averaging undoes. The wrapper leaves the forward
+value of AReaL's loss untouched (so every statistic AReaL logs is its own) and
+multiplies the gradient reaching each token's log-probability by
+``w_i / N_pg * n_b * R / r_b``, so the step's gradient is that of
+``sum_i w_i * sum_t l[i,t] * m[i,t] / N_pg``. That is exact for AReaL's
+token-level losses (PPO, SAPO, decoupled PPO, rejection sampling, M2PO) and for
+GSPO's sequence-level ratio, because every token of a response has the same
+weight.
+
+Terms. AReaL 1.0.4 puts the KL penalty into the reward (``kl_ctl``), so it
+reaches the loss through the advantages and has no normalizer of its own, and
+it computes no entropy loss (the entropy is logged, detached). The one further
+loss term is the teacher distillation penalty (a batch with ``teacher_logp``),
+a token mean: it is its own ``distill`` term, and is refused in any mode but
+``token_mean`` because AReaL adds it into the policy-gradient loss before the
+division.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from areal.utils.data import concat_batch
+from torch import Tensor
+
+from lossreduce.errors import (
+    EmptyNormalizerError,
+    InvalidPartialError,
+    LossReduceError,
+    RankContext,
+    ReductionConfigError,
+    ReductionInputError,
+)
+from lossreduce.trainer_worker.integrations.areal.plan import (
+    DISTILL_TERM,
+    GROUP_KEY,
+    POLICY_TERM,
+    ROWS_TERM,
+    WEIGHT_KEY,
+    BatchPlan,
+    plan_batch,
+    token_weights,
+)
+from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
+from lossreduce.trainer_worker.normalizers import (
+    CoordinatorNormalizer,
+    GlobalNormalizer,
+    LocalNormalizer,
+    TorchDistributedNormalizer,
+)
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
+
+__all__ = ["LossReduceActorMixin", "refuse_unsupported"]
+
+LossFn = Callable[..., Tensor]
+WeightFn = Callable[[dict[str, Any]], Tensor]
+
+_EXACT_ROWS = 2**24
+"""The engine sums the micro-batch weights in float32: sequence counts are exact below this."""
+
+
+def refuse_unsupported(config: Any, settings: ArealReductionSettings) -> None:
+    """Raise :class:`ReductionConfigError` naming every AReaL option (of a
+    ``PPOActorConfig``) that the actor could not honour exactly."""
+    problems = []
+    if getattr(config, "is_critic", False):
+        problems.append("is_critic=True: the LossReduce actors normalize an actor's PPO loss")
+    if getattr(config, "enable_tree_training", False):
+        problems.append(
+            "enable_tree_training=True: tree-packed micro-batches share prefix tokens between "
+            "responses, so a token has no single response weight (AReaL #1546 refuses tree "
+            "training with a non-token mode for the same reason)"
+        )
+    if problems:
+        raise ReductionConfigError(
+            f"LossReduce actor (job {settings.job!r}, mode {settings.mode.value!r}) cannot "
+            f"honour: {'; '.join(problems)}",
+            job=settings.job,
+            group=settings.group,
+        )
+
+
+def _rows(mb: Mapping[str, Any]) -> int:
+    """Sequences in a packed micro-batch (AReaL packs with ``cu_seqlens`` [rows + 1])."""
+    cu_seqlens = mb.get("cu_seqlens")
+    if not isinstance(cu_seqlens, Tensor):
+        raise ReductionInputError(
+            f"a packed micro-batch needs cu_seqlens; this one holds {sorted(mb)}"
+        )
+    return int(cu_seqlens.numel()) - 1
+
+
+def _rows_weight(mb: dict[str, Any]) -> Tensor:
+    """The engine's per-micro-batch weight: its sequence count (exact in float32)."""
+    cu_seqlens = mb["cu_seqlens"]
+    return torch.tensor(float(_rows(mb)), dtype=torch.float32, device=cu_seqlens.device)
+
+
+def _gradient_scaled(values: Tensor, scale: Tensor) -> Tensor:
+    """``values`` exactly, but the gradient through it multiplied by ``scale``.
+
+    ``values - frozen`` is exactly 0 in the forward, so the sum is ``values``
+    bit for bit while its derivative is ``scale``.
+    """
+    frozen = values.detach()
+    return frozen + (values - frozen) * scale
+
+
+def weighted_loss(loss_fn: LossFn, loss_weight_fn: WeightFn, engine_rows: float) -> LossFn:
+    """AReaL's ``loss_fn`` with each token's gradient weighted (see the module docstring).
+
+    ``engine_rows`` is the engine's own sum of :func:`_rows_weight` over its
+    weight group (``R``).
+    """
+
+    def loss(
+        logprobs: Tensor,
+        entropy: Tensor,
+        mb_input: dict[str, Any],
+        vocab_min_logits: Tensor | None = None,
+        vocab_max_logits: Tensor | None = None,
+    ) -> Tensor:
+        weights = mb_input[WEIGHT_KEY]  # [tokens] float64, packed like logprobs
+        if weights.shape != logprobs.shape:
+            raise ReductionInputError(
+                f"the micro-batch's token weights have shape {tuple(weights.shape)} but its "
+                f"log-probabilities {tuple(logprobs.shape)}; this engine layout is not supported"
+            )
+        # AReaL's loss divides by its own token count, `or 1` when there is none.
+        own = max(float(loss_weight_fn(mb_input)), 1.0)
+        scale = weights * (own * engine_rows / _rows(mb_input))  # [tokens] float64
+        return loss_fn(
+            _gradient_scaled(logprobs, scale.to(logprobs.dtype)),
+            entropy,
+            mb_input,
+            vocab_min_logits=vocab_min_logits,
+            vocab_max_logits=vocab_max_logits,
+        )
+
+    return loss
+
+
+def _with_groups(data: Any) -> Any:
+    """``ppo_update``'s trajectory dicts, each numbered as its own prompt group."""
+    if not isinstance(data, list):
+        return data
+    tagged = []
+    for index, item in enumerate(data):
+        mask = item.get("attention_mask") if isinstance(item, dict) else None
+        if not isinstance(mask, Tensor) or GROUP_KEY in item:
+            tagged.append(item)
+            continue
+        groups = torch.full(mask.shape, index, dtype=torch.int64, device=mask.device)
+        tagged.append({**item, GROUP_KEY: groups})  # [b, T]
+    return tagged
+
+
+class LossReduceActorMixin:
+    """Place before an AReaL PPO actor class: its PPO update uses lossreduce's reduction.
+
+    ``reduction`` defaults to :class:`ArealReductionSettings` read from the
+    ``LOSSREDUCE_*`` environment. ``skipped_steps`` counts optimizer steps
+    skipped as empty (``on_empty_step='skip'``). Call :meth:`close_reduction`
+    (done by ``destroy``) to close the coordinator client.
+    """
+
+    # What the AReaL engine provides (FSDPEngine, MegatronEngine, ArchonEngine).
+    config: Any
+
+    def __init__(self, config: Any, *, reduction: ArealReductionSettings | None = None) -> None:
+        settings = reduction if reduction is not None else ArealReductionSettings()
+        refuse_unsupported(config, settings)
+        super().__init__(config)  # type: ignore[call-arg]
+        self.reduction_settings = settings
+        self.policy_reduction: PolicyGradientReduction = settings.reduction
+        self.skipped_steps = 0
+        self._reduction_steps = 0
+        self._normalizer: GlobalNormalizer | None = None
+        self._client: Any = None
+
+    # -- AReaL's entry points ------------------------------------------------------
+
+    def ppo_update(self, data: Any) -> None:
+        """AReaL's ``ppo_update``, with each trajectory dict numbered as a prompt group."""
+        super().ppo_update(_with_groups(data))  # type: ignore[misc]
+
+    def train_batch(
+        self,
+        input_: list[dict[str, Any]] | dict[str, Any],
+        loss_fn: LossFn,
+        loss_weight_fn: WeightFn,
+    ) -> dict[str, float]:
+        """One optimizer step with lossreduce's normalizers (see the module docstring)."""
+        batch = self._one_batch(input_)
+        step = self._reduction_steps
+        self._reduction_steps += 1
+        settings = self.reduction_settings
+        if (
+            "teacher_logp" in batch
+            and self.policy_reduction.mode is not PolicyGradientMode.TOKEN_MEAN
+        ):
+            # The same on every rank: a teacher is configured for the whole run.
+            raise ReductionConfigError(
+                f"job {settings.job!r} step {step}: AReaL adds the teacher distillation "
+                f"penalty into the policy-gradient loss before dividing, so it would be "
+                f"normalized per {self.policy_reduction.mode.value} unit; with a teacher use "
+                "mode 'token_mean'",
+                job=settings.job,
+                group=settings.group,
+                step=step,
+            )
+        token_weight = float(loss_weight_fn(batch))
+        plan = plan_batch(self.policy_reduction, batch, token_weight)
+        normalizers = self._reduce(step, plan, batch["loss_mask"].device)
+        if normalizers is None:
+            self.skipped_steps += 1
+            # No forward, backward or optimizer step: weights and optimizer state untouched.
+            return {"update_successful": 0.0, "lossreduce/skipped": 1.0}
+        engine_rows = normalizers[ROWS_TERM] * self._weight_group_factor()
+        if engine_rows >= _EXACT_ROWS:
+            raise ReductionConfigError(
+                f"job {settings.job!r} step {step}: {engine_rows:.0f} sequences in one step; "
+                f"the engine sums its weights in float32, exact only below {_EXACT_ROWS}",
+                job=settings.job,
+                group=settings.group,
+                step=step,
+            )
+        weighted = {**batch, WEIGHT_KEY: token_weights(plan, normalizers, batch["loss_mask"])}
+        stats: dict[str, float] = super().train_batch(  # type: ignore[misc]
+            weighted, weighted_loss(loss_fn, loss_weight_fn, engine_rows), _rows_weight
+        )
+        stats["lossreduce/skipped"] = 0.0
+        for term in (POLICY_TERM, DISTILL_TERM):
+            if term in normalizers:
+                stats[f"lossreduce/normalizer/{term}"] = normalizers[term]
+        return stats
+
+    def destroy(self) -> None:
+        """AReaL's ``destroy``, closing the coordinator client first."""
+        self.close_reduction()
+        super().destroy()  # type: ignore[misc]
+
+    @staticmethod
+    def _one_batch(input_: list[dict[str, Any]] | dict[str, Any]) -> dict[str, Any]:
+        """The step's padded batch (AReaL concatenates a list of trajectory dicts)."""
+        if isinstance(input_, list):
+            batch: dict[str, Any] = concat_batch(input_)[0]
+            return batch
+        return input_
+
+    # -- the normalizer ------------------------------------------------------------
+
+    def close_reduction(self) -> None:
+        """Close the coordinator client, if any; the next step opens a new one."""
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._normalizer = None
+
+    def normalizer(self) -> GlobalNormalizer:
+        """The backend summing partials over the data-parallel ranks (made on first use)."""
+        if self._normalizer is None:
+            self._normalizer = self._make_normalizer()
+        return self._normalizer
+
+    def _data_parallel(self) -> tuple[Any, int, int]:
+        """(group, rank, world size) the partials are summed over."""
+        engine: Any = self
+        group = engine.data_parallel_group
+        return group, dist.get_rank(group), dist.get_world_size(group)
+
+    def _reduction_group(self) -> str:
+        """This rank's reduction group: one per model-parallel index (they hold the same data)."""
+        engine: Any = self
+        group = self.reduction_settings.group
+        model_parallel = engine.context_and_model_parallel_group
+        if dist.get_world_size(model_parallel) > 1:
+            group = f"{group}.mp{dist.get_rank(model_parallel)}"
+        return group
+
+    def _weight_group_factor(self) -> int:
+        """How many ranks of the engine's weight group hold each data-parallel rank's data.
+
+        1 for FSDP and Archon (their weights are summed over data parallelism);
+        Megatron sums them over data and context parallelism, where every
+        context-parallel rank counts the whole sequences.
+        """
+        if not any(cls.__name__ == "MegatronEngine" for cls in type(self).__mro__):
+            return 1
+        strategy = getattr(self, "parallel_strategy", None)
+        return int(getattr(strategy, "context_parallel_size", 1))
+
+    def _make_normalizer(self) -> GlobalNormalizer:
+        settings = self.reduction_settings
+        process_group, rank, world = self._data_parallel()
+        group = self._reduction_group()
+        if settings.normalizer == "coordinator":
+            from lossreduce.client import ReductionClient
+
+            assert settings.coordinator is not None  # the settings validator requires it
+            self._client = ReductionClient(
+                settings.coordinator,
+                job=settings.job,
+                group=group,
+                rank=rank,
+                world_size=world,
+                settings=settings.client,
+            )
+            return CoordinatorNormalizer(self._client)
+        if world == 1:
+            return LocalNormalizer(job=settings.job, group=group)
+        return TorchDistributedNormalizer(process_group, job=settings.job, group=group)
+
+    def _device(self, fallback: torch.device) -> torch.device:
+        device = getattr(self, "device", None)
+        return device if isinstance(device, torch.device) else fallback
+
+    def _reduce(self, step: int, plan: BatchPlan, device: torch.device) -> dict[str, float] | None:
+        """The step's validated normalizers, None for a skipped empty step, or the
+        round's error (the same on every rank)."""
+        normalizer = self.normalizer()
+        device = self._device(device)
+        if plan.problems:
+            return self._abort(normalizer, step, plan, device)
+        partials = {
+            t: torch.tensor(v, dtype=torch.float64, device=device) for t, v in plan.partials.items()
+        }
+        try:
+            totals = normalizer.reduce(step, partials, plan.contracts)
+        except EmptyNormalizerError:
+            if self.reduction_settings.on_empty_step == "raise":
+                raise
+            return None
+        return {t: float(v) for t, v in totals.items()}
+
+    def _abort(
+        self, normalizer: GlobalNormalizer, step: int, plan: BatchPlan, device: torch.device
+    ) -> dict[str, float]:
+        """Take part in the round with NaN partials (the peers abort naming this
+        rank), then raise what is wrong with this rank's inputs."""
+        poisoned = {
+            t: torch.tensor(math.nan, dtype=torch.float64, device=device) for t in plan.partials
+        }
+        try:
+            normalizer.reduce(step, poisoned, plan.contracts)
+        except LossReduceError as answer:
+            _, rank, _ = self._data_parallel()
+            settings = self.reduction_settings
+            rnd = RankContext(settings.job, self._reduction_group(), step, rank)
+            raise rnd.error(
+                InvalidPartialError,
+                f"cannot train on this rank's batch: {'; '.join(plan.problems)}; no rank runs "
+                "backward for this step",
+                terms=sorted(plan.partials),
+            ) from answer
+        raise AssertionError("a round with NaN partials returned normalizers")

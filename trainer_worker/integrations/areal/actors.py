@@ -1,0 +1,41 @@
+"""The LossReduce versions of AReaL's actor classes.
+
+Module-level classes, so that AReaL's single-controller mode, which names an
+engine class by its import path to the RPC workers it starts, can build them
+there too (the workers read the ``LOSSREDUCE_*`` settings from their
+environment).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from areal.engine.fsdp_engine import FSDPPPOActor
+
+from lossreduce.trainer_worker.integrations.areal.actor import LossReduceActorMixin
+from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
+
+__all__ = ["LossReduceFSDPPPOActor", "lossreduce_actor"]
+
+
+class LossReduceFSDPPPOActor(LossReduceActorMixin, FSDPPPOActor):  # type: ignore[misc]
+    """AReaL's ``FSDPPPOActor`` with lossreduce's reduction (tested against AReaL 1.0.4)."""
+
+    def __init__(self, config: Any, *, reduction: ArealReductionSettings | None = None) -> None:
+        super().__init__(config, reduction=reduction)
+
+
+@functools.cache
+def lossreduce_actor(actor_cls: type[Any]) -> type[Any]:
+    """``actor_cls`` (an AReaL PPO actor class) with :class:`LossReduceActorMixin` before it.
+
+    ``lossreduce_actor(FSDPPPOActor)`` is :class:`LossReduceFSDPPPOActor`;
+    ``MegatronPPOActor`` and ``ArchonPPOActor`` get the same mixin, untested
+    (neither runs on this project's CPU machines; see docs/frameworks/areal.md).
+    One class per ``actor_cls``, made on the first call.
+    """
+    if actor_cls is FSDPPPOActor:
+        return LossReduceFSDPPPOActor
+    name = f"LossReduce{actor_cls.__name__}"
+    return type(name, (LossReduceActorMixin, actor_cls), {"__module__": __name__})

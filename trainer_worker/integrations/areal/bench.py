@@ -1,0 +1,209 @@
+"""What lossreduce's normalizers cost inside AReaL's PPO update.
+
+Times ``ppo_update`` of :class:`LossReduceFSDPPPOActor` (``token_mean``, the
+torch backend) against the same update of AReaL's own ``FSDPPPOActor``, on one
+process (gloo), a small Qwen2 built in code and a fixed batch of uneven prompt
+groups, so that the measured step is the training work alone, where a fixed
+overhead shows most. Both actors live in the same process from the same seed;
+runs alternate ABBA so drift (thermal, other load) hits both alike; the first
+step of each run is dropped as warm-up and the medians are compared.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from lossreduce.ports import free_port
+from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
+
+__all__ = ["ArealBenchResult", "ArealBenchSettings", "run_areal_bench"]
+
+
+class ArealBenchSettings(BaseModel):
+    """The workload of :func:`run_areal_bench`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(
+        default=8, ge=2, description="ppo_update calls per run (the first is warm-up)."
+    )
+    blocks: int = Field(
+        default=2, ge=1, description="ABBA blocks; each block runs each actor twice."
+    )
+    groups: int = Field(default=8, ge=1, description="Prompt groups per update.")
+    group_size: int = Field(default=4, ge=1, description="Responses per prompt group.")
+    max_length: int = Field(
+        default=96, ge=8, description="Longest response with its prompt, in tokens."
+    )
+    max_tokens_per_mb: int = Field(
+        default=512, ge=8, description="AReaL's actor.mb_spec.max_tokens_per_mb."
+    )
+    hidden_size: int = Field(default=128, ge=8, description="Width of the Qwen2 model.")
+    layers: int = Field(default=2, ge=1, description="Transformer layers of the Qwen2 model.")
+    vocab_size: int = Field(default=64, ge=8, description="Vocabulary size of the toy tokenizer.")
+    threads: int = Field(
+        default=1,
+        ge=1,
+        description="torch CPU threads while measuring (1: a shared small machine's other load "
+        "then slows both actors alike instead of oversubscribing the cores).",
+    )
+
+
+@dataclass(frozen=True)
+class ArealBenchResult:
+    """Median seconds of one ``ppo_update`` for each actor."""
+
+    lossreduce_step_s: float
+    areal_step_s: float
+    lossreduce_steps: int
+    areal_steps: int
+
+    @property
+    def ratio(self) -> float:
+        """lossreduce / AReaL median step time (1.03 = 3% slower)."""
+        return self.lossreduce_step_s / self.areal_step_s
+
+
+def _save_model(settings: ArealBenchSettings, folder: Path) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config
+
+    words = [f"w{i}" for i in range(settings.vocab_size)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1").save_pretrained(
+        folder
+    )
+    Qwen2Config(
+        vocab_size=settings.vocab_size,
+        hidden_size=settings.hidden_size,
+        intermediate_size=2 * settings.hidden_size,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * settings.max_length,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    ).save_pretrained(folder)
+    return str(folder)
+
+
+def _batch(settings: ArealBenchSettings) -> list[dict[str, torch.Tensor]]:
+    """One trajectory dict per prompt group, as ``ppo_update`` receives them."""
+    gen = torch.Generator().manual_seed(0)
+    length, prompt = settings.max_length, 8
+    out = []
+    for _ in range(settings.groups):
+        b = settings.group_size
+        lengths = torch.randint(prompt + 2, length + 1, (b,), generator=gen)  # [b]
+        positions = torch.arange(length)[None, :]  # [1, T]
+        attention = positions < lengths[:, None]  # [b, T]
+        mask = (positions >= prompt - 1) & (positions < lengths[:, None] - 1)  # [b, T]
+        old = (-4.0 + 0.1 * torch.randn(b, length, generator=gen)) * mask
+        advantages = torch.randn(b, 1, generator=gen).expand(b, length) * mask
+        out.append(
+            {
+                "input_ids": torch.randint(2, settings.vocab_size, (b, length), generator=gen)
+                * attention,
+                "attention_mask": attention,
+                "loss_mask": mask.float(),
+                "advantages": advantages.contiguous(),
+                "logprobs": old,
+                "prox_logp": old.clone(),
+                "rewards": advantages[:, 0].contiguous(),
+                "kl_rewards": torch.zeros(b, length),
+                "tot_rewards": torch.zeros(b, length),
+            }
+        )
+    return out
+
+
+def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings) -> Any:
+    from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
+    from areal.api.io_struct import FinetuneSpec
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from lossreduce.trainer_worker.integrations.areal.actors import LossReduceFSDPPPOActor
+
+    config = PPOActorConfig(
+        experiment_name="lossreduce-bench",
+        trial_name="lossreduce" if lossreduce else "areal",
+        path=model_dir,
+        init_from_scratch=True,
+        dtype="float32",
+        attn_impl="sdpa",
+        optimizer=OptimizerConfig(lr=1e-5, lr_scheduler_type="constant"),
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=settings.max_tokens_per_mb),
+        backend="fsdp:d1",
+        ppo_n_minibatches=1,
+    )
+    actor = (
+        LossReduceFSDPPPOActor(config, reduction=ArealReductionSettings(job="areal-bench"))
+        if lossreduce
+        else FSDPPPOActor(config)
+    )
+    actor.create_process_group()
+    torch.manual_seed(0)
+    actor.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=8))
+    return actor
+
+
+def _run(actor: Any, data: list[dict[str, torch.Tensor]], steps: int) -> list[float]:
+    seconds = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        actor.ppo_update([dict(d) for d in data])
+        seconds.append(time.perf_counter() - started)
+    return seconds[1:]  # the first step of a run is warm-up
+
+
+def run_areal_bench(settings: ArealBenchSettings | None = None) -> ArealBenchResult:
+    """Median ``ppo_update`` time of LossReduceFSDPPPOActor vs AReaL's FSDPPPOActor, ABBA."""
+    settings = settings or ArealBenchSettings()
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+    }.items():
+        os.environ.setdefault(key, value)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        with tempfile.TemporaryDirectory(prefix="lossreduce-areal-bench-") as folder:
+            model_dir = _save_model(settings, Path(folder))
+            actors = {flag: _actor(flag, model_dir, settings) for flag in (True, False)}
+            data = _batch(settings)
+            for _ in range(settings.blocks):
+                for flag in (True, False, False, True):
+                    times[flag] += _run(actors[flag], data, settings.steps)
+            for actor in actors.values():
+                actor.destroy()
+    finally:
+        torch.set_num_threads(threads)
+        if own_group:
+            dist.destroy_process_group()
+    return ArealBenchResult(
+        lossreduce_step_s=statistics.median(times[True]),
+        areal_step_s=statistics.median(times[False]),
+        lossreduce_steps=len(times[True]),
+        areal_steps=len(times[False]),
+    )

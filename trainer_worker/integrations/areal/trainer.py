@@ -1,0 +1,87 @@
+"""AReaL's ``PPOTrainer`` whose actor is a LossReduce actor: the one launch-script change.
+
+``RLTrainer._create_train_engine`` hard-codes AReaL's three actor classes and
+has no configuration hook, so this trainer overrides it for the actor only
+(the reference model and a teacher never train, and keep AReaL's classes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal.trainer.rl_trainer import PPOTrainer
+from areal.utils.environ import is_single_controller
+
+from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.areal.actor import refuse_unsupported
+from lossreduce.trainer_worker.integrations.areal.actors import lossreduce_actor
+from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
+
+__all__ = ["LossReducePPOTrainer"]
+
+
+class LossReducePPOTrainer(PPOTrainer):  # type: ignore[misc]
+    """``PPOTrainer(config, train_dataset, valid_dataset, ...)`` plus ``reduction``
+    (default: :class:`ArealReductionSettings` from the ``LOSSREDUCE_*`` environment).
+
+    In single-controller mode the workers build the actor themselves and read
+    the settings from their own environment, so pass them as ``LOSSREDUCE_*``
+    variables there rather than as ``reduction``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        train_dataset: Any = None,
+        valid_dataset: Any = None,
+        *,
+        reduction: ArealReductionSettings | None = None,
+    ) -> None:
+        self.reduction_settings = reduction if reduction is not None else ArealReductionSettings()
+        settings = self.reduction_settings
+        refuse_unsupported(config.actor, settings)
+        if (
+            getattr(config, "teacher", None) is not None
+            and settings.mode is not PolicyGradientMode.TOKEN_MEAN
+        ):
+            raise ReductionConfigError(
+                f"LossReducePPOTrainer (job {settings.job!r}): teacher is set, and AReaL adds "
+                f"the distillation penalty into the policy-gradient loss before dividing, so "
+                f"mode {settings.mode.value!r} would normalize it per response or prompt; use "
+                "mode 'token_mean' with a teacher",
+                job=settings.job,
+                group=settings.group,
+            )
+        super().__init__(config, train_dataset, valid_dataset)
+
+    def _create_train_engine(self, actor_config: Any, alloc: Any) -> Any:
+        if actor_config is not self.config.actor:
+            return super()._create_train_engine(actor_config, alloc)
+        # Build AReaL's choice of class for this backend, then its LossReduce version.
+        actor_cls = _actor_class(alloc.backend)
+        if is_single_controller():
+            actor = actor_cls.as_controller(actor_config, self.scheduler)
+        else:
+            actor = actor_cls(config=actor_config, reduction=self.reduction_settings)
+        actor.create_process_group(parallel_strategy=alloc.parallel)
+        return actor
+
+
+def _actor_class(backend: str) -> type[Any]:
+    """The LossReduce version of AReaL's actor class for ``backend``."""
+    if backend == "fsdp":
+        from areal.engine import FSDPPPOActor
+
+        return lossreduce_actor(FSDPPPOActor)
+    if backend == "megatron":
+        from areal.engine import MegatronPPOActor
+
+        return lossreduce_actor(MegatronPPOActor)
+    if backend == "archon":
+        from areal.experimental.engine.archon_engine import ArchonPPOActor
+
+        return lossreduce_actor(ArchonPPOActor)
+    raise ReductionConfigError(
+        f"LossReducePPOTrainer: backend {backend!r} is not one of fsdp, megatron, archon"
+    )
