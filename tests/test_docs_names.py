@@ -8,6 +8,7 @@ in the code takes its mention along.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import subprocess
@@ -25,8 +26,51 @@ def mentioned_names() -> set[str]:
     return {name for page in pages for name in _NAME.findall(page.read_text())}
 
 
+FRAMEWORK_PACKAGES = {
+    "lossreduce.trainer_worker.integrations.verl": ROOT / "trainer_worker/integrations/verl",
+    "lossreduce.trainer_worker.integrations.areal": ROOT / "trainer_worker/integrations/areal",
+}
+"""Integrations whose framework has an environment of its own (not this one): their
+names are looked up in the source instead of imported."""
+
+
+def _defined_at_top(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def exists_in_source(name: str, package: str, folder: Path) -> bool:
+    """Whether ``name`` (under ``package``, whose source is ``folder``) is a module of
+    it or a name defined at the top of one."""
+    rest = name.removeprefix(package).strip(".").split(".") if name != package else []
+    path = folder
+    for i, part in enumerate(rest):
+        if (path / part).is_dir():
+            path = path / part
+        elif (path / f"{part}.py").is_file():
+            module = path / f"{part}.py"
+            tail = rest[i + 1 :]
+            return not tail or (len(tail) == 1 and tail[0] in _defined_at_top(module))
+        else:
+            init = path / "__init__.py"
+            return i == len(rest) - 1 and init.is_file() and part in _defined_at_top(init)
+    return (path / "__init__.py").is_file()
+
+
 def exists(name: str) -> bool:
     """Whether ``name`` is a module, or an attribute path from the longest module in it."""
+    for package, folder in FRAMEWORK_PACKAGES.items():
+        if name == package or name.startswith(package + "."):
+            return exists_in_source(name, package, folder)
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -54,6 +98,10 @@ def test_exists_tells_real_names_from_made_up_ones() -> None:
     assert exists("lossreduce.trainer_worker.normalizers")
     assert not exists("lossreduce.status_codec.no_such_function")
     assert not exists("lossreduce.no_such_module")
+    assert exists("lossreduce.trainer_worker.integrations.verl.plugin")
+    assert exists("lossreduce.trainer_worker.integrations.areal")
+    assert not exists("lossreduce.trainer_worker.integrations.areal.no_such_module")
+    assert not exists("lossreduce.trainer_worker.integrations.verl.bench.no_such_name")
     assert in_the_wire_contract("lossreduce.v2.ReductionCoordinator")
     assert not in_the_wire_contract("lossreduce.v2.NoSuchService")
 
