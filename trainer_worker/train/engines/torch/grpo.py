@@ -19,13 +19,12 @@ from lossreduce.trainer_worker.policy_gradient import (
     zero_masked,
 )
 from lossreduce.trainer_worker.reduction import Batch, LossReduction
-from lossreduce.trainer_worker.train.engines.torch.model import response_logprobs
+from lossreduce.trainer_worker.train.rollouts import response_logprobs
 
 __all__ = [
     "KL_TERM",
     "PG_TERM",
     "GRPOLoss",
-    "group_advantages",
     "kl_penalty",
     "ppo_clip_loss",
     "shard_groups",
@@ -35,27 +34,6 @@ PG_TERM = "pg"
 """Name of the policy-gradient term."""
 KL_TERM = "kl"
 """Name of the KL-to-reference term (present when its coefficient is > 0)."""
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_sizes: Sequence[int], eps: float = 1e-6
-) -> torch.Tensor:
-    """``(r - mean_g) / (std_g + eps)`` within each prompt group (GRPO).
-
-    ``rewards`` is ``[N]``, grouped by prompt with ``group_sizes`` summing to
-    ``N``; the standard deviation is the population one, so a group of
-    identical rewards gets advantage 0 everywhere.
-    """
-    if sum(group_sizes) != rewards.shape[0] or any(s < 1 for s in group_sizes):
-        raise ValueError(
-            f"group_sizes {list(group_sizes)} must be positive and sum to the "
-            f"{rewards.shape[0]} rewards"
-        )
-    out = []
-    for group in torch.split(rewards, list(group_sizes)):
-        centred = group - group.mean()
-        out.append(centred / (group.std(correction=0) + eps))
-    return torch.cat(out) if out else rewards.new_zeros(0)
 
 
 def ppo_clip_loss(

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn import functional
 
-__all__ = ["CausalTransformer", "PolicyConfig", "response_logprobs"]
+__all__ = ["CausalTransformer", "PolicyConfig"]
 
 
 class PolicyConfig(BaseModel):
@@ -85,18 +85,3 @@ class CausalTransformer(nn.Module):
             x = block(x)
         logits: torch.Tensor = self.head(self.ln(x))  # [B, T, V]
         return logits
-
-
-def response_logprobs(
-    model: nn.Module, tokens: torch.Tensor, prompt_len: int, temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-probabilities of the response tokens under ``model``.
-
-    ``tokens`` is ``[N, P + L]`` (prompt of ``P`` tokens, then the response);
-    returns ``[N, L]``. Padding positions get finite values; callers mask them.
-    """
-    logits = model(tokens[:, :-1])[:, prompt_len - 1 :] / temperature  # [N, L, V]
-    targets = tokens[:, prompt_len:]  # [N, L]
-    # Input-only ids (BOS) never appear in a response; clamp keeps gather in range.
-    targets = targets.clamp(max=logits.shape[-1] - 1)
-    return torch.log_softmax(logits.float(), dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)

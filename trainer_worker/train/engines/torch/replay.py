@@ -17,8 +17,8 @@ from lossreduce.trainer_worker.normalizers import LocalNormalizer
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
 from lossreduce.trainer_worker.train.engines.torch.grpo import GRPOLoss
-from lossreduce.trainer_worker.train.engines.torch.task import RolloutBatch
 from lossreduce.trainer_worker.train.engines.torch.worker import build_policy
+from lossreduce.trainer_worker.train.rollouts import RolloutBatch
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 
 __all__ = ["single_process_gradients"]

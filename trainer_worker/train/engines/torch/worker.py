@@ -43,12 +43,12 @@ from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
 from lossreduce.trainer_worker.train.engines.torch.grpo import GRPOLoss
 from lossreduce.trainer_worker.train.engines.torch.model import CausalTransformer, PolicyConfig
-from lossreduce.trainer_worker.train.engines.torch.task import (
+from lossreduce.trainer_worker.train.metrics import WorkerMetrics
+from lossreduce.trainer_worker.train.rollouts import (
     RolloutBatch,
     Samples,
     sample_responses,
 )
-from lossreduce.trainer_worker.train.metrics import WorkerMetrics
 from lossreduce.trainer_worker.train.task import INPUT_VOCAB, OUTPUT_VOCAB, stream_seed
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 

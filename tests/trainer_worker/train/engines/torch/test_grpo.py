@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossreduce.trainer_worker.train.engines.torch.grpo import (
-    group_advantages,
     kl_penalty,
     ppo_clip_loss,
     shard_groups,
 )
+from lossreduce.trainer_worker.train.rollouts import group_advantages
 
 group_sizes_st = st.lists(st.integers(1, 6), min_size=1, max_size=8)
 

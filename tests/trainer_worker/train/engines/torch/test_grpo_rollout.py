@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lossreduce.trainer_worker.train.engines.torch.model import CausalTransformer, PolicyConfig
-from lossreduce.trainer_worker.train.engines.torch.task import (
+from lossreduce.trainer_worker.train.rollouts import (
     Samples,
     build_batch,
     filter_groups,

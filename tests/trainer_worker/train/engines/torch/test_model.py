@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lossreduce.trainer_worker.train.engines.torch.model import (
-    CausalTransformer,
-    PolicyConfig,
-    response_logprobs,
-)
+from lossreduce.trainer_worker.train.engines.torch.model import CausalTransformer, PolicyConfig
+from lossreduce.trainer_worker.train.rollouts import response_logprobs
 
 
 def _model() -> CausalTransformer:

@@ -11,6 +11,11 @@ remaining responses all scored the same is dropped (it carries no
 group-relative signal — DAPO's dynamic sampling). When the policy has solved
 every prompt of a step the whole step is filtered out: that is an *empty step*,
 handled by ``--on-empty-step``.
+
+Shared by every engine whose policy reads the task's token ids: a policy is
+any module mapping ``[N, T]`` token ids to ``[N, T, V]`` logits over at least
+the task's ``OUTPUT_VOCAB`` (:class:`~lossreduce.trainer_worker.train.hf_policy.TaskLogits`
+adapts a Hugging Face causal LM).
 """
 
 from __future__ import annotations
@@ -21,8 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lossreduce.trainer_worker.train.engines.torch.grpo import group_advantages
-from lossreduce.trainer_worker.train.engines.torch.model import response_logprobs
 from lossreduce.trainer_worker.train.task import EOS
 
 __all__ = [
@@ -30,6 +33,8 @@ __all__ = [
     "Samples",
     "build_batch",
     "filter_groups",
+    "group_advantages",
+    "response_logprobs",
     "sample_responses",
 ]
 
@@ -119,6 +124,42 @@ class RolloutBatch:
             group_sizes=tuple(self.group_sizes[g] for g in groups),
             prompt_len=self.prompt_len,
         )
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_sizes: Sequence[int], eps: float = 1e-6
+) -> torch.Tensor:
+    """``(r - mean_g) / (std_g + eps)`` within each prompt group (GRPO).
+
+    ``rewards`` is ``[N]``, grouped by prompt with ``group_sizes`` summing to
+    ``N``; the standard deviation is the population one, so a group of
+    identical rewards gets advantage 0 everywhere.
+    """
+    if sum(group_sizes) != rewards.shape[0] or any(s < 1 for s in group_sizes):
+        raise ValueError(
+            f"group_sizes {list(group_sizes)} must be positive and sum to the "
+            f"{rewards.shape[0]} rewards"
+        )
+    out = []
+    for group in torch.split(rewards, list(group_sizes)):
+        centred = group - group.mean()
+        out.append(centred / (group.std(correction=0) + eps))
+    return torch.cat(out) if out else rewards.new_zeros(0)
+
+
+def response_logprobs(
+    model: nn.Module, tokens: torch.Tensor, prompt_len: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probabilities of the response tokens under ``model``.
+
+    ``tokens`` is ``[N, P + L]`` (prompt of ``P`` tokens, then the response);
+    returns ``[N, L]``. Padding positions get finite values; callers mask them.
+    """
+    logits = model(tokens[:, :-1])[:, prompt_len - 1 :] / temperature  # [N, L, V]
+    targets = tokens[:, prompt_len:]  # [N, L]
+    # Input-only ids (BOS) never appear in a response; clamp keeps gather in range.
+    targets = targets.clamp(max=logits.shape[-1] - 1)
+    return torch.log_softmax(logits.float(), dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
 
 
 @torch.no_grad()
