@@ -36,6 +36,7 @@ __all__ = [
     "group_advantages",
     "response_logprobs",
     "sample_responses",
+    "shard_groups",
 ]
 
 
@@ -252,3 +253,22 @@ def build_batch(
         group_sizes=tuple(sizes),
         prompt_len=prompt_len,
     )
+
+
+def shard_groups(group_tokens: Sequence[int], world_size: int) -> list[list[int]]:
+    """Assign whole prompt groups to ``world_size`` ranks, balancing tokens.
+
+    Greedy longest-first onto the least-loaded rank (ties: lowest rank, then
+    lowest group index), so the assignment is deterministic. Each rank's
+    groups come back in ascending order; a rank may get none.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    loads = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    order = sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g))
+    for group in order:
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[rank].append(group)
+        loads[rank] += group_tokens[group]
+    return [sorted(shard) for shard in shards]

@@ -23,7 +23,8 @@ def test_the_same_seed_saves_the_same_weights_and_another_seed_does_not(tmp_path
     weights = [dict(m.named_parameters()) for m in (first, again, other)]
     assert all(torch.equal(p, weights[1][name]) for name, p in weights[0].items())
     assert not all(torch.equal(p, weights[2][name]) for name, p in weights[0].items())
-    assert first.config.hidden_size == 16 and first.config.eos_token_id == EOS
+    assert first.config.hidden_size == 16
+    assert first.config.eos_token_id == EOS
 
 
 def test_the_sampler_draws_task_tokens_from_the_hf_policy(tmp_path: Path) -> None:
@@ -43,5 +44,6 @@ def test_the_sampler_draws_task_tokens_from_the_hf_policy(tmp_path: Path) -> Non
     )
     responses = samples.tokens[:, 1 + settings.prompt_len :]  # [6, L]
     assert responses.shape == (6, settings.response_len)
-    assert int(responses.max()) <= EOS and BOS not in responses
+    assert int(responses.max()) <= EOS
+    assert BOS not in responses
     assert bool(torch.isfinite(samples.old_logprobs).all())

@@ -17,7 +17,6 @@ import torch
 
 from lossreduce.trainer_worker.train.engines.base import WorkerCluster
 from lossreduce.trainer_worker.train.engines.group import GroupEngine
-from lossreduce.trainer_worker.train.engines.torch.grpo import shard_groups
 from lossreduce.trainer_worker.train.engines.torch.replay import single_process_gradients
 from lossreduce.trainer_worker.train.engines.torch.worker import (
     TrainerWorker,
@@ -25,7 +24,12 @@ from lossreduce.trainer_worker.train.engines.torch.worker import (
     WorkerStepResult,
 )
 from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
-from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples, build_batch
+from lossreduce.trainer_worker.train.rollouts import (
+    RolloutBatch,
+    Samples,
+    build_batch,
+    shard_groups,
+)
 from lossreduce.trainer_worker.train.task import DigitTask, stream_seed
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport, compare_gradients

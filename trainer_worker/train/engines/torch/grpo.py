@@ -1,5 +1,5 @@
 """GRPO pieces: group-relative advantages, the PPO-clipped token loss, the
-KL-to-reference penalty, and sharding whole prompt groups across workers.
+KL-to-reference penalty.
 
 All pure tensor functions; how the token losses are normalized (per token,
 sequence, prompt group or constant) is the reduction library's job, not this
@@ -8,7 +8,7 @@ module's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,6 @@ __all__ = [
     "GRPOLoss",
     "kl_penalty",
     "ppo_clip_loss",
-    "shard_groups",
 ]
 
 PG_TERM = "pg"
@@ -64,25 +63,6 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
     """
     delta = ref_logprobs - logprobs
     return torch.exp(delta) - delta - 1.0
-
-
-def shard_groups(group_tokens: Sequence[int], world_size: int) -> list[list[int]]:
-    """Assign whole prompt groups to ``world_size`` ranks, balancing tokens.
-
-    Greedy longest-first onto the least-loaded rank (ties: lowest rank, then
-    lowest group index), so the assignment is deterministic. Each rank's
-    groups come back in ascending order; a rank may get none.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
-    loads = [0] * world_size
-    shards: list[list[int]] = [[] for _ in range(world_size)]
-    order = sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g))
-    for group in order:
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        shards[rank].append(group)
-        loads[rank] += group_tokens[group]
-    return [sorted(shard) for shard in shards]
 
 
 class GRPOLoss:

@@ -10,9 +10,8 @@ from hypothesis import strategies as st
 from lossreduce.trainer_worker.train.engines.torch.grpo import (
     kl_penalty,
     ppo_clip_loss,
-    shard_groups,
 )
-from lossreduce.trainer_worker.train.rollouts import group_advantages
+from lossreduce.trainer_worker.train.rollouts import group_advantages, shard_groups
 
 group_sizes_st = st.lists(st.integers(1, 6), min_size=1, max_size=8)
 
