@@ -1,14 +1,19 @@
-"""How an integration (e.g. :class:`~lossreduce.trainer_worker.integrations.trl.LossReduceGRPOTrainer`)
-normalizes its loss: one pydantic settings model, every field described.
+"""How an integration normalizes its loss: one pydantic settings model per framework,
+all built on :class:`ReductionSettings`, every field described.
 
 Fields read ``LOSSREDUCE_*`` environment variables (``LOSSREDUCE_MODE``,
-``LOSSREDUCE_COORDINATOR``, ...) unless given explicitly. This module imports
-no framework.
+``LOSSREDUCE_NORMALIZER``, ``LOSSREDUCE_COORDINATOR``, ...) unless given
+explicitly, so every rank a framework starts reads the same settings from the
+environment its launcher passes on. This module imports no framework.
+
+- :class:`GRPOReductionSettings`: TRL's ``LossReduceGRPOTrainer``;
+- ``VerlReductionSettings`` (:mod:`lossreduce.trainer_worker.integrations.verl.settings`);
+- ``ArealReductionSettings`` (:mod:`lossreduce.trainer_worker.integrations.areal.settings`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,35 +22,69 @@ from lossreduce.client import ClientSettings
 from lossreduce.trainer_worker.normalizers import OnEmptyStep
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
-__all__ = ["GRPOReductionSettings", "NormalizerBackend"]
+__all__ = [
+    "GRPOReductionSettings",
+    "NormalizerBackend",
+    "ReductionSettings",
+    "group_field",
+    "job_field",
+]
 
 NormalizerBackend = Literal["torch", "coordinator"]
 
 
-class GRPOReductionSettings(BaseSettings):
-    """The reduction a TRL GRPO run uses instead of its ``loss_type`` normalization."""
+def job_field(default: str) -> Any:
+    """The ``job`` field, with a framework's own default job name."""
+    return Field(
+        default=default,
+        min_length=1,
+        description="Job name the rounds and errors carry (one per training run).",
+    )
+
+
+def group_field(
+    default: str,
+    description: str = "Reduction group within the job (one per set of ranks reducing together).",
+) -> Any:
+    """The ``group`` field, with a framework's own default group name."""
+    return Field(default=default, min_length=1, description=description)
+
+
+class ReductionSettings(BaseSettings):
+    """What every integration's settings share: the policy-gradient mode, the normalizer
+    backend, the coordinator and its client, empty steps, and the rounds' names.
+
+    An *optimizer step* is what one global normalizer covers: TRL's optimizer step,
+    one verl PPO mini-batch, one AReaL ``train_batch`` call.
+    """
 
     model_config = SettingsConfigDict(env_prefix="LOSSREDUCE_", frozen=True, extra="forbid")
+
+    joins_ray_coordinator: ClassVar[bool] = False
+    """Whether ``normalizer='coordinator'`` without an address starts or joins the job's
+    coordinator actor on the Ray cluster (else the address is required)."""
 
     mode: PolicyGradientMode = Field(
         default=PolicyGradientMode.TOKEN_MEAN,
         description=(
             "What the policy-gradient term weighs equally over one optimizer step: token_mean "
-            "(every token), seq_mean (every completion), prompt_mean (every prompt group) or "
-            "constant (sum over tokens / (divisor x completions)); see docs/reduction-semantics.md."
+            "(every token), seq_mean (every response), prompt_mean (every prompt group) or "
+            "constant (sum over tokens / (divisor x responses)); see "
+            "docs/reduction-semantics.md. Fully masked responses and empty groups are never "
+            "counted."
         ),
     )
     divisor: float | None = Field(
         default=None,
-        description="The length budget C of mode 'constant' (e.g. max_completion_length); "
-        "only valid with that mode.",
+        description="The length budget C of mode 'constant' (e.g. the maximum response "
+        "length); only valid with that mode.",
     )
     normalizer: NormalizerBackend = Field(
         default="torch",
         description=(
-            "Who sums the per-process partial normalizers: 'torch' (torch.distributed over "
-            "accelerate's process group; the local process alone when there is one) or "
-            "'coordinator' (the lossreduce coordinator at `coordinator`, over gRPC)."
+            "Who sums the ranks' partial normalizers: 'torch' (torch.distributed over the "
+            "framework's data-parallel group; the rank alone when that group has one rank) or "
+            "'coordinator' (a lossreduce coordinator over gRPC, at `coordinator`)."
         ),
     )
     coordinator: str | None = Field(
@@ -61,33 +100,14 @@ class GRPOReductionSettings(BaseSettings):
     on_empty_step: OnEmptyStep = Field(
         default="raise",
         description=(
-            "When an optimizer step has no active unit on any process (e.g. every completion "
-            "masked as truncated): 'raise' stops training with EmptyNormalizerError on every "
-            "process; 'skip' runs no backward or optimizer update for that step on any "
-            "process and leaves weights and optimizer state untouched (a forward already run "
-            "while the round was in flight is discarded)."
+            "When an optimizer step has no active unit on any rank (every response masked): "
+            "'raise' stops training with EmptyNormalizerError on every rank; 'skip' runs no "
+            "backward or optimizer update for it on any rank, so weights, optimizer state and "
+            "its step counter stay untouched."
         ),
     )
-    overlap: bool = Field(
-        default=True,
-        description=(
-            "Run an optimizer step's first forward while its normalizer round is in flight "
-            "and wait before the backward, where that is exact (the policy-gradient term "
-            "alone: beta=0, no entropy bonus, no router aux loss; a first micro-step "
-            "that leaves no DDP synchronization pending; a round not answered at its start). "
-            "False: wait before the forward."
-        ),
-    )
-    job: str = Field(
-        default="trl-grpo",
-        min_length=1,
-        description="Job name the rounds and errors carry (one per training run).",
-    )
-    group: str = Field(
-        default="policy",
-        min_length=1,
-        description="Reduction group within the job (one per set of processes reducing together).",
-    )
+    job: str = job_field("lossreduce")
+    group: str = group_field("policy")
 
     @property
     def reduction(self) -> PolicyGradientReduction:
@@ -95,11 +115,30 @@ class GRPOReductionSettings(BaseSettings):
         return PolicyGradientReduction(self.mode, self.divisor)
 
     @model_validator(mode="after")
-    def _consistent(self) -> GRPOReductionSettings:
+    def _consistent(self) -> ReductionSettings:
         # PolicyGradientReduction owns the mode/divisor rules; let it judge them.
         _ = self.reduction
-        if self.normalizer == "coordinator" and not self.coordinator:
+        needs_address = not (self.coordinator or self.joins_ray_coordinator)
+        if self.normalizer == "coordinator" and needs_address:
             raise ValueError(
                 "normalizer='coordinator' needs coordinator=HOST:PORT (or LOSSREDUCE_COORDINATOR)"
             )
         return self
+
+
+class GRPOReductionSettings(ReductionSettings):
+    """The reduction a TRL GRPO run uses instead of its ``loss_type`` normalization
+    (the torch backend sums over accelerate's process group)."""
+
+    overlap: bool = Field(
+        default=True,
+        description=(
+            "Run an optimizer step's first forward while its normalizer round is in flight "
+            "and wait before the backward, where that is exact (the policy-gradient term "
+            "alone: beta=0, no entropy bonus, no router aux loss; a first micro-step "
+            "that leaves no DDP synchronization pending; a round not answered at its start). "
+            "False: wait before the forward; with 'skip', a forward already run while the "
+            "round was in flight is discarded."
+        ),
+    )
+    job: str = job_field("trl-grpo")

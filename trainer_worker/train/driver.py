@@ -33,15 +33,15 @@ from rich.console import Console
 from lossreduce.client import ClientSettings
 from lossreduce.errors import UsageError
 from lossreduce.server.security import is_loopback
-from lossreduce.trainer_worker.train.coordinator_actor import (
+from lossreduce.trainer_worker.integrations.coordinator_actor import (
     CoordinatorHandle,
     start_coordinator_actor,
 )
+from lossreduce.trainer_worker.integrations.tls import read_ca
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP, Engine, WorkerCluster
 from lossreduce.trainer_worker.train.engines.registry import get_engine
 from lossreduce.trainer_worker.train.outputs import RunOutputs, StepObserver, StepRecord
 from lossreduce.trainer_worker.train.placement import WorkerPlacement, create_worker_placement
-from lossreduce.trainer_worker.train.tls import read_ca
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport
 from lossreduce.trainer_worker.train.worker_group import (

@@ -69,7 +69,7 @@ def _state(target: str, token: str, job: str) -> int:
 def test_a_restarted_coordinator_actor_answers_from_its_journal(
     ray_session: None, tmp_path: Path, workload: Any, retrying: Any
 ) -> None:
-    from lossreduce.trainer_worker.train.coordinator_actor import start_coordinator_actor
+    from lossreduce.trainer_worker.integrations.coordinator_actor import start_coordinator_actor
 
     token = secrets.token_urlsafe(24)
     journal = tmp_path / "coordinator.sqlite3"

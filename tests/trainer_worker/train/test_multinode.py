@@ -30,11 +30,11 @@ from lossreduce.server import (
     JournalSettings,
     RoundJournal,
 )
-from lossreduce.trainer_worker.train import coordinator_actor
+from lossreduce.trainer_worker.integrations import coordinator_actor
+from lossreduce.trainer_worker.integrations.tls import RunTls, make_run_tls
 from lossreduce.trainer_worker.train.agent_actor import agent_name
 from lossreduce.trainer_worker.train.driver import RunResult, run
 from lossreduce.trainer_worker.train.outputs import StepRecord
-from lossreduce.trainer_worker.train.tls import RunTls, make_run_tls
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.worker_group import TrainingFailedError, worker_name
 from tests.trainer_worker.train.multinode_harness import local_cluster, session_logs

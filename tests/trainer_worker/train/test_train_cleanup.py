@@ -13,11 +13,11 @@ import ray
 from pydantic import SecretStr
 from ray.util.placement_group import placement_group_table
 
-from lossreduce.trainer_worker.train import driver
-from lossreduce.trainer_worker.train.coordinator_actor import (
+from lossreduce.trainer_worker.integrations.coordinator_actor import (
     CoordinatorHandle,
     start_coordinator_actor,
 )
+from lossreduce.trainer_worker.train import driver
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.worker_group import TrainingFailedError
 from tests.ray_support import local_ray

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lossreduce.trainer_worker.integrations.verl.settings import (
-    VerlNormalizerBackend,
-    VerlReductionSettings,
-)
+from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 
 if TYPE_CHECKING:
     from lossreduce.trainer_worker.integrations.verl.worker import (
@@ -32,7 +29,6 @@ if TYPE_CHECKING:
 __all__ = [
     "LossReduceActorRolloutRefWorker",
     "LossReduceTrainingWorker",
-    "VerlNormalizerBackend",
     "VerlReductionSettings",
 ]
 

@@ -90,7 +90,8 @@ from lossreduce.trainer_worker.step_rows import StepRows
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from lossreduce.client import ReductionClient
+    from lossreduce.client import ClientSettings, ReductionClient
+    from lossreduce.trainer_worker.integrations.coordinator_actor import JoinedCoordinator
 
 __all__ = ["LossReduceActorRolloutRefWorker", "LossReduceTrainingWorker"]
 
@@ -116,6 +117,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         self._sum_config: Any = None
         self._normalizer: GlobalNormalizer | None = None
         self._client: ReductionClient | None = None
+        self._joined: JoinedCoordinator | None = None
 
     # -- the loss function ----------------------------------------------------------
 
@@ -168,14 +170,14 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         if settings.normalizer == "coordinator":
             from lossreduce.client import ReductionClient
 
-            assert settings.coordinator is not None  # the settings validator requires it
+            target, client = self._coordinator()
             self._client = ReductionClient(
-                settings.coordinator,
+                target,
                 job=settings.job,
                 group=self._round_group(),
                 rank=self.engine.get_data_parallel_rank(),
                 world_size=self.engine.get_data_parallel_size(),
-                settings=settings.client,
+                settings=client,
             )
             return CoordinatorNormalizer(self._client)
         if self.engine.get_data_parallel_size() == 1:
@@ -183,6 +185,30 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         return TorchDistributedNormalizer(
             self.engine.get_data_parallel_group(), job=settings.job, group=self._round_group()
         )
+
+    def _coordinator(self) -> tuple[str, ClientSettings]:
+        """Where the client dials and how: the configured address, or else the job's
+        coordinator actor on this Ray cluster, started here unless a peer did first."""
+        settings = self.reduction_settings
+        if settings.coordinator is not None:
+            return settings.coordinator, settings.client
+        from lossreduce.trainer_worker.integrations.coordinator_actor import (
+            join_coordinator_actor,
+        )
+
+        # The actor's rounds wait at most as long as a client call does.
+        round_timeout_s = max(1.0, settings.client.call_timeout_s - 30.0)
+        # Held while this worker lives: Ray ends an actor nobody holds.
+        self._joined = join_coordinator_actor(
+            settings.job, round_timeout_s=round_timeout_s, startup_timeout_s=60.0
+        )
+        endpoint = self._joined.endpoint
+        # The actor's own token and CA (a run's, made fresh) replace any configured.
+        given = settings.client.model_dump(exclude={"token", "tls_root_cert_pem"})
+        client = type(settings.client).model_validate(
+            {**given, "token": endpoint.token, "tls_root_cert_pem": endpoint.ca_cert}
+        )
+        return endpoint.target, client
 
     def close(self) -> None:
         """Close the coordinator client, if any; the next mini-batch opens a new one."""

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 
 from lossreduce.ports import free_port
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from tests.conftest import TEST_SETTINGS
+from tests.ray_support import local_ray
 from tests.trainer_worker.integrations.verl import tiny_verl
 from tests.trainer_worker.integrations.verl.verl_runs import LR, Case, run
 
@@ -118,6 +120,8 @@ def dp2_cases(target: str) -> list[Case]:
         Case("masked-nan", mode="prompt_mean", batch="masked_nan"),
         # Backends, epochs and mini-batches.
         Case("coordinator", mode="prompt_mean", normalizer="coordinator", coordinator=target),
+        # No address: the ranks start or join the job's coordinator actor on their Ray cluster.
+        Case("joined-coordinator", mode="prompt_mean", normalizer="coordinator"),
         Case(
             "coordinator-skip",
             batch="all_masked",
@@ -171,7 +175,14 @@ def results(
             with pytest.MonkeyPatch.context() as patch:
                 # Spawned ranks import the run module (and verl its CPU platform) by name.
                 patch.syspath_prepend(str(root))
-                cache[world] = run(world, cases, model_dir, out, free_port())
+                if world == 2:
+                    with local_ray():
+                        address = ray.get_runtime_context().gcs_address
+                        cache[world] = run(
+                            world, cases, model_dir, out, free_port(), ray_address=address
+                        )
+                else:
+                    cache[world] = run(world, cases, model_dir, out, free_port())
             for rank, result in enumerate(cache[world]):
                 assert "crash" not in result, f"dp{world} rank {rank}: {result['crash']}"
         return cache[world]
@@ -372,10 +383,13 @@ def test_a_nan_under_the_mask_reaches_neither_loss_nor_gradient(
 # -- backends -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("case", ["coordinator", "joined-coordinator"])
 def test_the_coordinator_backend_gives_the_torch_backends_update_bit_for_bit(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: Callable[[int], list[dict[str, Any]]], case: str
 ) -> None:
-    coordinator = case_results(results, 2, "coordinator")
+    """``joined-coordinator``: no address given, so the ranks (Ray drivers of one
+    cluster) start or join the job's coordinator actor, with a fresh token."""
+    coordinator = case_results(results, 2, case)
     torch_backend = case_results(results, 2, "prompt_mean-dp2-mb2")
     for got, want in zip(coordinator, torch_backend, strict=True):
         assert got["normalizers"] == want["normalizers"]

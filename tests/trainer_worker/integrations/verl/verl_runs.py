@@ -219,6 +219,9 @@ class Job:
     out_dir: str
     port: int
     env: dict[str, str] = field(default_factory=dict)
+    ray_address: str | None = None
+    """A Ray cluster every rank joins first (cases whose workers start or join the
+    job's coordinator actor)."""
 
 
 def run_layout(rank: int, job: Job) -> None:
@@ -236,6 +239,17 @@ def run_layout(rank: int, job: Job) -> None:
     try:
         # verl's own init asks for "cpu:gloo,cpu:gloo" on this platform; gloo alone it is.
         torch.distributed.init_process_group("gloo", rank=rank, world_size=job.world)
+        if job.ray_address is not None:
+            import ray
+
+            # One namespace, as verl's workers of one job share theirs (each driver
+            # would otherwise get a namespace, and named actors, of its own).
+            ray.init(
+                address=job.ray_address,
+                namespace="verl-runs",
+                logging_level="ERROR",
+                log_to_driver=False,
+            )
         for case in job.cases:
             results[case.name] = run_case(case, rank, job.world, Path(job.model_dir))
     except Exception:
@@ -243,12 +257,25 @@ def run_layout(rank: int, job: Job) -> None:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if job.ray_address is not None:
+            import ray
+
+            ray.shutdown()
     torch.save(results, Path(job.out_dir) / f"rank{rank}.pt")
 
 
-def run(world: int, cases: list[Case], model_dir: Path, out_dir: Path, port: int) -> list[Any]:
-    """Every rank's results of the cases on ``world`` spawned ranks."""
+def run(
+    world: int,
+    cases: list[Case],
+    model_dir: Path,
+    out_dir: Path,
+    port: int,
+    *,
+    ray_address: str | None = None,
+) -> list[Any]:
+    """Every rank's results of the cases on ``world`` spawned ranks (each joined to the
+    Ray cluster at ``ray_address`` first, if given)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    job = Job(world, cases, str(model_dir), str(out_dir), port)
+    job = Job(world, cases, str(model_dir), str(out_dir), port, ray_address=ray_address)
     spawn(run_layout, args=(job,), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

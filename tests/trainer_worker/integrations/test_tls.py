@@ -12,8 +12,8 @@ from pydantic import SecretStr
 from lossreduce.client import ClientSettings, ReductionClient
 from lossreduce.errors import CoordinatorUnavailableError, UsageError
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from lossreduce.trainer_worker.train.coordinator_actor import _tls_files
-from lossreduce.trainer_worker.train.tls import make_run_tls, read_ca
+from lossreduce.trainer_worker.integrations.coordinator_actor import _tls_files
+from lossreduce.trainer_worker.integrations.tls import make_run_tls, read_ca
 
 TOKEN = SecretStr("run-token-" + "x" * 20)
 

@@ -1,5 +1,9 @@
 """The coordinator as a named Ray actor, restarted by Ray if it dies.
 
+Shared by the train job (its driver starts one per run) and the integrations
+(a framework's ranks with ``normalizer='coordinator'`` and no address start or
+join one, :func:`join_coordinator_actor`).
+
 The actor runs the gRPC coordinator (``lossreduce.server.CoordinatorThread``)
 inside its process. It is pinned to the driver's node and binds a port the
 driver chose there, so when Ray restarts it (``max_restarts``) it comes back
@@ -14,7 +18,7 @@ instead of collecting it again (see docs/guarantees.md).
 Security: the coordinator accepts only a bearer token made fresh for each run
 (the driver hands it to the workers through Ray). On a one-node cluster it
 listens on loopback only; on a multi-node cluster on every interface, and
-then over TLS with a CA made for the run (:mod:`lossreduce.trainer_worker.train.tls`):
+then over TLS with a CA made for the run (:mod:`lossreduce.trainer_worker.integrations.tls`):
 the server key reaches the actor as a constructor argument, in memory; the
 coordinator reads its TLS material from files only, so the actor writes the
 pair to 0600 files in a private (0700) temp dir on this node and removes them
@@ -39,15 +43,19 @@ from pydantic import SecretStr
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from lossreduce.errors import UsageError
 from lossreduce.ports import LOOPBACK, free_port
-from lossreduce.trainer_worker.train.tls import ServerTls, make_run_tls
+from lossreduce.trainer_worker.integrations.tls import ServerTls, make_run_tls
 
 __all__ = [
     "COORDINATOR_MAX_RESTARTS",
     "LOOPBACK",
     "CoordinatorActor",
+    "CoordinatorEndpoint",
     "CoordinatorHandle",
+    "JoinedCoordinator",
     "default_journal",
+    "join_coordinator_actor",
     "start_coordinator_actor",
 ]
 
@@ -67,9 +75,12 @@ class CoordinatorActor:
         journal: Path | None = None,
         *,
         tls: ServerTls | None = None,
+        ca_cert: bytes | None = None,
     ) -> None:
         from lossreduce.server import CoordinatorSettings, CoordinatorThread
 
+        self._token = token
+        self._ca_cert = ca_cert
         with _tls_files(tls) as (cert, key):
             # A restarted actor reopens the same journal and answers retries of the
             # rounds its previous incarnation finished (docs/guarantees.md).
@@ -91,6 +102,10 @@ class CoordinatorActor:
     def target(self) -> str:
         """``HOST:PORT`` the workers dial."""
         return self._target
+
+    def endpoint(self) -> CoordinatorEndpoint:
+        """What a rank that joins this coordinator needs: where, the token, the CA."""
+        return CoordinatorEndpoint(self._target, self._token, self._ca_cert)
 
     def metrics_port(self) -> int | None:
         """Port of the coordinator's Prometheus ``/metrics`` endpoint."""
@@ -122,6 +137,25 @@ def _tls_files(tls: ServerTls | None) -> Iterator[tuple[Path | None, Path | None
         yield paths
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class CoordinatorEndpoint:
+    """How a rank reaches a coordinator actor: ``HOST:PORT``, the bearer token, and the
+    PEM CA its certificate chains to (None: plaintext on loopback)."""
+
+    target: str
+    token: SecretStr
+    ca_cert: bytes | None
+
+
+@dataclass(frozen=True)
+class JoinedCoordinator:
+    """A job's coordinator actor as a rank joined it. Keep it while the rank trains:
+    Ray ends an actor nobody holds a handle to."""
+
+    endpoint: CoordinatorEndpoint
+    actor: Any
 
 
 @dataclass(frozen=True)
@@ -171,6 +205,8 @@ def start_coordinator_actor(
     round_timeout_s: float,
     token: SecretStr,
     journal: Path | Literal["tmp"] | None = "tmp",
+    *,
+    get_if_exists: bool = False,
 ) -> CoordinatorHandle:
     """Start the named coordinator actor for ``job`` on this node.
 
@@ -183,6 +219,11 @@ def start_coordinator_actor(
 
     On more than one node the coordinator listens on every interface, over TLS
     with a CA made for this run (:attr:`CoordinatorHandle.ca_cert`).
+
+    ``get_if_exists``: when the job's actor already runs, return a handle to it
+    instead (its :meth:`CoordinatorActor.endpoint` is then the truth, not the
+    handle's ``target``, token or CA, which describe the actor this call would
+    have started).
     """
     journal_path = default_journal(job, secrets.token_hex(6)) if journal == "tmp" else journal
     assert not isinstance(journal_path, str)
@@ -197,11 +238,18 @@ def start_coordinator_actor(
     actor_cls = ray.remote(CoordinatorActor)
     actor = actor_cls.options(
         name=name,
+        get_if_exists=get_if_exists,
         num_cpus=0,
         max_restarts=COORDINATOR_MAX_RESTARTS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
     ).remote(
-        host, port, round_timeout_s, token, journal_path, tls=None if tls is None else tls.server
+        host,
+        port,
+        round_timeout_s,
+        token,
+        journal_path,
+        tls=None if tls is None else tls.server,
+        ca_cert=None if tls is None else tls.ca_cert,
     )
     return CoordinatorHandle(
         actor=actor,
@@ -210,3 +258,37 @@ def start_coordinator_actor(
         journal=journal_path,
         ca_cert=None if tls is None else tls.ca_cert,
     )
+
+
+def join_coordinator_actor(
+    job: str, *, round_timeout_s: float, startup_timeout_s: float
+) -> JoinedCoordinator:
+    """The endpoint of ``job``'s coordinator actor on this process's Ray cluster,
+    started here (on this node, with a fresh token, over TLS when the cluster has
+    several nodes) unless a peer started it first.
+
+    Every rank of a job calls this; Ray's ``get_if_exists`` makes exactly one of
+    them create the actor, and all of them read the same endpoint from it. The
+    actor is not detached: it lives while the process that created it does and
+    some rank holds the returned handle, in the Ray namespace of the calling
+    job. Raises
+    :class:`~lossreduce.errors.UsageError` outside a Ray cluster.
+    """
+    if not ray.is_initialized():
+        raise UsageError(
+            f"job {job!r}: normalizer='coordinator' without a coordinator address starts or "
+            "joins the job's coordinator actor on its Ray cluster, but this process is not "
+            "connected to one; pass coordinator=HOST:PORT (LOSSREDUCE_COORDINATOR)"
+        )
+    fresh = SecretStr(secrets.token_urlsafe(32))
+    handle = start_coordinator_actor(job, round_timeout_s, fresh, get_if_exists=True)
+    try:
+        endpoint: CoordinatorEndpoint = ray.get(
+            handle.actor.endpoint.remote(), timeout=startup_timeout_s
+        )
+    except GetTimeoutError as err:
+        raise UsageError(
+            f"job {job!r}: the coordinator actor {handle.name!r} did not answer within "
+            f"{startup_timeout_s:g} s"
+        ) from err
+    return JoinedCoordinator(endpoint, handle.actor)

@@ -11,7 +11,7 @@ driver then makes, in memory:
 
 The CA certificate (public) goes to every worker and agent through Ray as
 actor constructor arguments; the server key goes only to the coordinator
-actor, the same way (see :mod:`lossreduce.trainer_worker.train.coordinator_actor`
+actor, the same way (see :mod:`lossreduce.trainer_worker.integrations.coordinator_actor`
 for the only moment it touches a disk). Nothing here logs, and the key is kept
 out of ``repr``.
 """
