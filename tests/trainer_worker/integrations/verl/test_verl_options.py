@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.settings import ReductionSettings
 from lossreduce.trainer_worker.integrations.verl.options import (
     actor_problems,
     engine_problems,
@@ -130,9 +131,15 @@ def test_settings_read_lossreduce_variables(monkeypatch: pytest.MonkeyPatch) -> 
     )
 
 
-def test_the_coordinator_backend_needs_an_address() -> None:
+def test_the_coordinator_backend_without_an_address_joins_the_jobs_actor() -> None:
+    """No address: the ranks start or join the job's coordinator actor on their Ray
+    cluster (test_verl_worker's joined-coordinator case); every other integration's
+    settings still ask for one."""
+    settings = VerlReductionSettings(normalizer="coordinator")
+    assert settings.coordinator is None
+    assert VerlReductionSettings.joins_ray_coordinator
     with pytest.raises(ValueError, match="needs coordinator=HOST:PORT"):
-        VerlReductionSettings(normalizer="coordinator")
+        ReductionSettings(normalizer="coordinator")
 
 
 # -- the plan ----------------------------------------------------------------------------

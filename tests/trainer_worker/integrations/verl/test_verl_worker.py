@@ -45,6 +45,8 @@ SPLITS: dict[str, tuple[int, int, bool]] = {
 # verl's own modes, measured on the same data (the docs' table): name -> Case fields.
 VERL_MODES: dict[str, dict[str, Any]] = {
     "token-mean": {"loss_agg_mode": "token-mean"},
+    "token-sum": {"loss_agg_mode": "token-sum"},
+    "seq-mean-token-sum": {"loss_agg_mode": "seq-mean-token-sum"},
     "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean"},
     "seq-mean-token-sum-norm": {
         "loss_agg_mode": "seq-mean-token-sum-norm",
@@ -112,6 +114,8 @@ def dp2_cases(target: str) -> list[Case]:
         # One response of 8 fully masked: verl still divides by 8.
         Case("verl-seq-mean", worker="verl", loss_agg_mode="seq-mean-token-mean", **PG_ONLY),
         Case("seq_mean-pg", mode="seq_mean", **PG_ONLY),
+        Case("verl-seq-sum", worker="verl", loss_agg_mode="seq-mean-token-sum", **PG_ONLY),
+        Case("constant1-pg", mode="constant", divisor=1.0, **PG_ONLY),
         # Bad input.
         Case("rank1-masked", mode="seq_mean", batch="rank1_masked"),
         Case("empty-raise", batch="all_masked"),
@@ -278,16 +282,31 @@ def test_equals_verl_where_the_two_mean_the_same(
         assert relative(got["update"], want["update"]) <= UPDATE_RTOL
 
 
+@pytest.mark.parametrize(
+    "pair",
+    [
+        ("verl-seq-mean", "seq_mean-pg", "seq_mean", None),
+        ("verl-seq-sum", "constant1-pg", "constant", 1.0),
+    ],
+)
 def test_verl_counts_a_fully_masked_response_and_lossreduce_does_not(
-    results: Callable[[int], list[dict[str, Any]]], model_dir: Path
+    results: Callable[[int], list[dict[str, Any]]],
+    model_dir: Path,
+    pair: tuple[str, str, str, float | None],
 ) -> None:
-    """seq-mean-token-mean divides by verl's constant global_batch_size (8); one
-    response is fully masked, so lossreduce divides by 7 and verl's update is 7/8 of it."""
-    verl = case_results(results, 2, "verl-seq-mean")
-    ours = case_results(results, 2, "seq_mean-pg")
-    want = reference_update(model_dir, tiny_verl.rows(), "seq_mean", kl_coef=0.0, entropy_coeff=0.0)
+    """seq-mean-token-mean and seq-mean-token-sum divide by verl's constant
+    global_batch_size (8); one response is fully masked, so lossreduce (seq_mean, and
+    constant with C = 1: token sums over active responses) divides by 7 and verl's
+    update is 7/8 of it."""
+    verl_case, our_case, mode, divisor = pair
+    verl = case_results(results, 2, verl_case)
+    ours = case_results(results, 2, our_case)
+    grads = tiny_verl.reference_grads(
+        model_dir, tiny_verl.rows(), mode, divisor, kl_coef=0.0, entropy_coeff=0.0
+    )
+    want = {n: -LR * g for n, g in grads.items()}
     for got, theirs in zip(ours, verl, strict=True):
-        assert got["normalizers"] == {"pg": 7.0}
+        assert got["normalizers"] == {"pg": 7.0 * (divisor or 1.0)}
         assert relative(got["update"], want) <= FORMULA_RTOL
         scaled = {n: d * (7.0 / 8.0) for n, d in got["update"].items()}
         assert relative(theirs["update"], scaled) <= FORMULA_RTOL
