@@ -4,9 +4,9 @@ Times PPO mini-batch steps (``train_mini_batch``: one optimizer step each) of
 :class:`~lossreduce.trainer_worker.integrations.verl.LossReduceTrainingWorker`
 against the same steps of verl's own ``TrainingWorker`` with ``token-mean``
 (the like-for-like mode), both on verl's FSDP2 engine, in one process, with a
-small Qwen2 built in code and a fixed batch of uneven response lengths. Runs
-alternate ABBA so drift hits both sides alike; the first step of each run is
-dropped as warm-up and the medians are compared.
+small Qwen2 built in code and a fixed batch of uneven response lengths. After
+one warm-up step each, steps alternate ABBA one by one, so drift and load hit
+both sides alike, and the medians are compared.
 
 Without CUDA it runs verl on lossreduce's CPU platform for verl
 (:mod:`.cpu_platform`), selected with :data:`CPU_ENV` before verl is first
@@ -48,11 +48,10 @@ class VerlBenchSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    steps: int = Field(
-        default=8, ge=2, description="Mini-batch steps per run (the first is warm-up)."
-    )
-    blocks: int = Field(
-        default=2, ge=1, description="ABBA blocks; each block runs each worker twice."
+    rounds: int = Field(
+        default=16,
+        ge=1,
+        description="ABBA rounds after the warm-up; each runs each worker's mini-batch step twice.",
     )
     responses: int = Field(default=32, ge=2, description="Responses per mini-batch.")
     group_size: int = Field(default=4, ge=1, description="Responses per prompt group.")
@@ -240,13 +239,16 @@ def run_verl_bench(settings: VerlBenchSettings | None = None) -> VerlBenchResult
             model_dir = _save_model(settings, Path(scratch) / "model")
             workers = {ours: _worker(settings, model_dir, ours) for ours in (True, False)}
             batch = _batch(settings)
-            for _ in range(settings.blocks):
+            for ours in (True, False):  # warm-up: each engine's first step
+                workers[ours].train_mini_batch(batch.clone())
+            # ABBA step by step: both workers see the same load, caches and drift
+            # (runs of several steps in a row measured up to 9% apart on a quiet machine
+            # with identical work, whichever came first).
+            for _ in range(settings.rounds):
                 for ours in (True, False, False, True):
-                    for step in range(settings.steps):
-                        started = time.perf_counter()
-                        workers[ours].train_mini_batch(batch.clone())
-                        if step > 0:  # the first step of a run warms the engine up
-                            times[ours].append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    workers[ours].train_mini_batch(batch.clone())
+                    times[ours].append(time.perf_counter() - started)
     finally:
         if owned:
             torch.distributed.destroy_process_group()

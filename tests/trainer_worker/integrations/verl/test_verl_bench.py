@@ -9,11 +9,11 @@ from lossreduce.trainer_worker.integrations.verl.bench import VerlBenchSettings,
 
 def test_the_bench_times_both_workers_in_abba_order() -> None:
     settings = VerlBenchSettings(
-        steps=2, blocks=1, responses=8, micro_batch_size=4, hidden_size=16, layers=1
+        rounds=2, responses=8, micro_batch_size=4, hidden_size=16, layers=1
     )
     result = run_verl_bench(settings)
-    # ABBA, one block: each worker runs twice, the first step of each run dropped.
-    assert result.lossreduce_steps == result.verl_steps == 2
+    # Two ABBA rounds after one warm-up step each: every worker timed 4 times.
+    assert result.lossreduce_steps == result.verl_steps == 4
     assert result.lossreduce_step_s > 0
     assert result.verl_step_s > 0
     assert math.isfinite(result.ratio)
