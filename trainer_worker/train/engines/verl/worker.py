@@ -1,0 +1,338 @@
+"""``VerlWorker``: one rank of ``--engine verl``, run as a Ray actor.
+
+Each worker holds verl's actor worker (:mod:`.actor`: verl's FSDP2 engine,
+normalized by lossreduce) and, as verl's rollout engines do, a plain copy of the
+policy to sample from, refreshed from the actor's weights after every optimizer
+step (plus, with a KL term, the frozen initial policy as the reference). Per step:
+
+1. :meth:`VerlWorker.sample` samples responses for its slice of the step's
+   prompts with the job's sampler;
+2. :meth:`VerlWorker.train` trains one PPO mini-batch (one optimizer step) on
+   its shard of whole prompt groups through verl's ``train_mini_batch``: the
+   integration counts the partials, fetches the validated global normalizers
+   (coordinator or torch.distributed) and runs verl's micro-batches with them.
+
+The process selects verl's platform before verl is imported (:mod:`.env`:
+lossreduce's CPU platform when there is no CUDA) and joins torch.distributed
+itself (gloo on CPU, nccl on CUDA) before verl's worker starts, which then
+finds the group initialized. The class is plain Python; the driver wraps it
+with ``ray.remote``, and ``--verify`` runs it in the driver as a group of one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from torch import Tensor, nn
+
+from lossreduce.ports import free_port
+from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
+from lossreduce.trainer_worker.train.engines.verl.env import prepare_verl_process
+from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples, sample_responses
+from lossreduce.trainer_worker.train.task import stream_seed
+from lossreduce.trainer_worker.train.train_settings import TrainSettings
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["VerlStepResult", "VerlWorker", "VerlWorkerConfig", "padded_rows"]
+
+
+def padded_rows(shard_rows: Sequence[int], microbatches: int) -> int:
+    """Rows every rank trains on: the longest shard, rounded up to whole micro-batches
+    (verl's collectives need the same micro-batches on every rank; at least one row)."""
+    per_micro = max(1, math.ceil(max(shard_rows, default=0) / microbatches))
+    return per_micro * microbatches
+
+
+class VerlWorkerConfig(BaseModel):
+    """What one rank needs to start."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job: str = Field(description="Job name of the coordinator rounds and metrics.")
+    rank: int = Field(ge=0, description="This worker's rank.")
+    world_size: int = Field(ge=1, description="Number of ranks.")
+    coordinator: str | None = Field(
+        description="HOST:PORT this rank sends its partials to: the coordinator or its node's "
+        "agent (None with the torch normalizer)."
+    )
+    coordinator_token: SecretStr | None = Field(
+        description="Bearer token the coordinator accepts (None: send none)."
+    )
+    coordinator_tls_ca: bytes | None = Field(
+        default=None, description="PEM CA of the coordinator's TLS certificate (None: plaintext)."
+    )
+    cpu_threads: int | None = Field(
+        default=1,
+        description="torch threads of this process on CPU (one bundle is one CPU: more only "
+        "fight the other ranks); None leaves torch's default.",
+    )
+    model_path: Path = Field(
+        description="The built-in policy's checkpoint folder, as the driver saved it; a rank "
+        "on a node without it rebuilds it from the seed."
+    )
+    settings: TrainSettings = Field(description="The run's settings.")
+
+
+@dataclass(frozen=True)
+class VerlStepResult:
+    """What a rank reports after a step; losses and normalizers are global."""
+
+    rank: int
+    skipped: bool
+    losses: dict[str, float]
+    """Each term's global loss (its coefficient applied); empty when skipped."""
+    normalizers: dict[str, float]
+    """Each term's global normalizer; empty when skipped."""
+    round_latency_s: float
+    """This rank's normalizer round, from its start to its answer."""
+    step_seconds: float
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """A parameter or gradient in full on CPU (FSDP2 shards them as DTensors)."""
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().cpu().clone()
+
+
+class VerlWorker:
+    """One rank: verl's actor worker, the rollout copy of its policy, and the reference."""
+
+    def __init__(self, config: VerlWorkerConfig) -> None:
+        self.config = config
+        self.settings = config.settings
+        self.rank = config.rank
+        self.cpu = prepare_verl_process()
+        self.device = torch.device("cpu" if self.cpu else "cuda")
+        if self.cpu and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
+        self._actor: Any = None
+        self._rollout: nn.Module | None = None
+        self._reference: nn.Module | None = None
+        self.captured_gradients: dict[str, Tensor] | None = None
+
+    # -- setup ---------------------------------------------------------------
+
+    def where(self) -> tuple[str, str, str]:
+        """(node IP, node id, device) of this worker, for messages."""
+        return (
+            ray.util.get_node_ip_address(),
+            ray.get_runtime_context().get_node_id(),
+            str(self.device),
+        )
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 only: an address and free port on its node for torch.distributed."""
+        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the process group, start verl's actor worker and load the rollout copies."""
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.config.world_size),
+            # Ray shows each GPU actor only its own GPU: device 0 of the process.
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+        )
+        dist.init_process_group(
+            "gloo" if self.cpu else "nccl",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.config.world_size,
+            timeout=timedelta(seconds=self.settings.round_timeout_s + 30),
+        )
+        # verl is imported only now, after prepare_verl_process() chose its platform.
+        from transformers import Qwen2ForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        with warnings.catch_warnings():
+            # verl names every optional engine it cannot load (Megatron, VeOmni, ...).
+            warnings.filterwarnings(
+                "ignore", message=r"\w+ engine is not available", category=UserWarning
+            )
+            from lossreduce.trainer_worker.train.engines.verl.actor import build_actor
+        hf_logging.disable_progress_bar()  # the run prints its own progress
+        from lossreduce.trainer_worker.train.hf_policy import TaskLogits
+
+        model_dir = self._model_path()
+        self._actor = build_actor(self.settings, model_dir, self._reduction())
+        policy = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+        self._rollout = TaskLogits(policy.float().to(self.device)).eval().requires_grad_(False)
+        if self.settings.kl_coef > 0:
+            self._reference = copy.deepcopy(self._rollout)
+
+    def _reduction(self) -> Any:
+        from lossreduce.client import ClientSettings
+        from lossreduce.trainer_worker.integrations.verl import VerlReductionSettings
+
+        settings = self.settings
+        return VerlReductionSettings(
+            mode=settings.mode,
+            divisor=settings.effective_divisor,
+            normalizer=settings.normalizer,
+            coordinator=self.config.coordinator,
+            client=ClientSettings(
+                call_timeout_s=settings.round_timeout_s + 30,
+                token=self.config.coordinator_token,
+                tls_root_cert_pem=self.config.coordinator_tls_ca,
+            ),
+            on_empty_step=settings.on_empty_step,
+            job=self.config.job,
+            group=REDUCTION_GROUP,
+        )
+
+    def _model_path(self) -> Path:
+        path = self.config.model_path
+        if path.is_dir():
+            return path
+        # Another node without the driver's disk: the same seed builds the same model.
+        import tempfile
+
+        from lossreduce.trainer_worker.train.hf_policy import save_task_qwen2
+
+        local = Path(tempfile.gettempdir()) / f"lossreduce-{self.config.job}-rank{self.rank}-model"
+        return save_task_qwen2(self.settings, local)
+
+    # -- per step ------------------------------------------------------------
+
+    def sample(self, step: int, prompt_tokens: Tensor, first_prompt: int) -> Samples:
+        """Responses for prompts ``first_prompt ...`` of ``step``, on CPU."""
+        if self._rollout is None:
+            raise RuntimeError(f"rank {self.rank}: setup() was not called")
+        generator = torch.Generator().manual_seed(
+            stream_seed(self.settings.seed, "sample", step, first_prompt)
+        )
+        samples = sample_responses(
+            self._rollout,
+            self._reference,
+            prompt_tokens.to(self.device),
+            samples_per_prompt=self.settings.samples_per_prompt,
+            response_len=self.settings.response_len,
+            temperature=self.settings.temperature,
+            generator=generator,
+        )
+        return Samples(
+            tokens=samples.tokens.cpu(),
+            loss_mask=samples.loss_mask.cpu(),
+            old_logprobs=samples.old_logprobs.cpu(),
+            ref_logprobs=samples.ref_logprobs.cpu(),
+        )
+
+    def train(
+        self,
+        step: int,
+        shard: RolloutBatch,
+        group_ids: Sequence[int],
+        rows: int,
+        capture_gradients: bool = False,
+    ) -> VerlStepResult:
+        """One optimizer step on this rank's shard padded to ``rows`` rows (or a skip,
+        on every rank alike), then the rollout copy takes the new weights."""
+        from lossreduce.trainer_worker.train.engines.verl.batch import mini_batch
+
+        actor = self._actor
+        if actor is None:
+            raise RuntimeError(f"rank {self.rank}: setup() was not called")
+        start = time.perf_counter()
+        data = mini_batch(
+            shard,
+            group_ids,
+            rows=rows,
+            world_size=self.config.world_size,
+            microbatches=self.settings.microbatches,
+            temperature=self.settings.temperature,
+            rank=self.rank,
+        )
+        skipped_before = actor.skipped_steps
+        with self._capturing(capture_gradients):
+            output = actor.train_mini_batch(data)
+        skipped = actor.skipped_steps > skipped_before
+        if not skipped:
+            self._refresh_rollout()
+        metrics = dict(output["metrics"]) if output is not None else {}
+        return VerlStepResult(
+            rank=self.rank,
+            skipped=skipped,
+            losses={} if skipped else _losses(metrics, self.settings.kl_coef),
+            normalizers=dict(actor.last_normalizers or {}),
+            round_latency_s=_number(metrics.get("lossreduce/round_latency_s", 0.0)),
+            step_seconds=time.perf_counter() - start,
+        )
+
+    def gradients(self) -> dict[str, Tensor]:
+        """Gradients (after verl's data-parallel average) captured by the last
+        ``train(capture_gradients=True)``."""
+        if self.captured_gradients is None:
+            raise RuntimeError(f"rank {self.rank}: no gradients were captured")
+        return self.captured_gradients
+
+    def shutdown(self) -> None:
+        if self._actor is not None:
+            self._actor.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- internals -----------------------------------------------------------
+
+    @contextmanager
+    def _capturing(self, capture: bool) -> Iterator[None]:
+        """With ``capture``, keep every gradient right before verl's optimizer step."""
+        engine = self._actor.engine
+        if not capture:
+            yield
+            return
+        stock = engine.optimizer_step
+
+        def step() -> Any:
+            # Every rank gathers every gradient in the same order (a collective).
+            self.captured_gradients = {
+                name: _full(p.grad)
+                for name, p in engine.module.named_parameters()
+                if p.grad is not None
+            }
+            return stock()
+
+        engine.optimizer_step = step
+        try:
+            yield
+        finally:
+            del engine.optimizer_step  # the class's method again
+
+    @torch.no_grad()
+    def _refresh_rollout(self) -> None:
+        """The rollout copy takes the actor's weights (every rank gathers them alike)."""
+        assert self._rollout is not None
+        mine = dict(self._rollout.model.named_parameters())
+        for name, param in self._actor.engine.module.named_parameters():
+            mine[name].copy_(_full(param).to(self.device))
+
+
+def _number(value: Any) -> float:
+    """A metric verl returns as a number or a list of one per micro-batch or rank."""
+    if isinstance(value, list | tuple):
+        return float(sum(_number(v) for v in value) / max(1, len(value)))
+    return float(value)
+
+
+def _losses(metrics: dict[str, Any], kl_coef: float) -> dict[str, float]:
+    out = {"pg": _number(metrics["actor/pg_loss"])}
+    if "kl_loss" in metrics:
+        out["kl"] = kl_coef * _number(metrics["kl_loss"])
+    return out
