@@ -3,8 +3,8 @@
 One :class:`~lossreduce.trainer_worker.integrations.verl.LossReduceTrainingWorker`
 per rank: verl's FSDP2 engine on the checkpoint folder of the built-in policy,
 in fp32 with eager attention and ``use_remove_padding=False`` (what runs on CPU
-as well as on CUDA), AdamW at ``--lr`` with no weight decay and no gradient
-clipping (the torch engine's plain Adam), and verl's ``ppo_loss``: the vanilla
+as well as on CUDA), AdamW at ``--lr`` with no weight decay (the torch engine's Adam) and verl's
+default gradient clipping (:data:`CLIP_GRAD`), and verl's ``ppo_loss``: the vanilla
 clipped policy loss at ``--clip-eps`` and, with ``--kl-coef``, verl's KL loss
 (``low_var_kl``, the k3 estimator) as a term with its own normalizer. Imports
 verl: the process must be prepared first (:mod:`.env`).
@@ -31,10 +31,11 @@ from lossreduce.trainer_worker.integrations.verl import (
 )
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 
-__all__ = ["NO_CLIP", "build_actor"]
+__all__ = ["CLIP_GRAD", "build_actor"]
 
-NO_CLIP = 1e12
-"""verl's ``clip_grad`` when nothing is clipped (verl requires a number)."""
+CLIP_GRAD = 1.0
+"""Gradient-norm clipping of verl's optimizer step: verl's default (and TRL's). Without
+it, the default run's reward peaked at 0.29 by step 30 and fell back (0.47 with it)."""
 _FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
@@ -59,7 +60,7 @@ def build_actor(
             micro_batch_size_per_gpu=1,  # each mini-batch sets its own (see .batch)
         ),
         optimizer_config=FSDPOptimizerConfig(
-            optimizer="AdamW", lr=settings.lr, weight_decay=0.0, clip_grad=NO_CLIP
+            optimizer="AdamW", lr=settings.lr, weight_decay=0.0, clip_grad=CLIP_GRAD
         ),
         checkpoint_config=CheckpointConfig(),
     )

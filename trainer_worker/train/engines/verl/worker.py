@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from lossreduce.ports import free_port
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
 from lossreduce.trainer_worker.train.engines.verl.env import prepare_verl_process
+from lossreduce.trainer_worker.train.engines.verl.model import FullVocabLogits
 from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples, sample_responses
 from lossreduce.trainer_worker.train.task import stream_seed
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
@@ -169,12 +170,11 @@ class VerlWorker:
             )
             from lossreduce.trainer_worker.train.engines.verl.actor import build_actor
         hf_logging.disable_progress_bar()  # the run prints its own progress
-        from lossreduce.trainer_worker.train.hf_policy import TaskLogits
 
         model_dir = self._model_path()
         self._actor = build_actor(self.settings, model_dir, self._reduction())
         policy = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-        self._rollout = TaskLogits(policy.float().to(self.device)).eval().requires_grad_(False)
+        self._rollout = FullVocabLogits(policy.float().to(self.device)).eval().requires_grad_(False)
         if self.settings.kl_coef > 0:
             self._reference = copy.deepcopy(self._rollout)
 
