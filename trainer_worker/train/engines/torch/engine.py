@@ -12,11 +12,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import ray
-import torch
-
 from lossreduce.trainer_worker.train.engines.base import WorkerCluster
-from lossreduce.trainer_worker.train.engines.group import GroupEngine, sample_step
+from lossreduce.trainer_worker.train.engines.group import GroupEngine, rank_gradients, sample_step
 from lossreduce.trainer_worker.train.engines.torch.replay import single_process_gradients
 from lossreduce.trainer_worker.train.engines.torch.worker import (
     TrainerWorker,
@@ -30,8 +27,6 @@ from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport, compare_gradients
 from lossreduce.trainer_worker.train.worker_group import (
     TrainingFailedError,
-    WorkerGroup,
-    place_rank,
 )
 
 __all__ = ["TorchEngine"]
@@ -46,11 +41,9 @@ class TorchEngine(GroupEngine):
 
     def start(self, cluster: WorkerCluster) -> None:
         """One actor per slot in rank order, joined in one torch.distributed group."""
-        settings, placement = self.settings, cluster.placement
-        actor_cls = ray.remote(TrainerWorker)
-        handles = []
-        for rank in range(len(placement.slots)):
-            config = WorkerConfig(
+        settings = self.settings
+        configs = [
+            WorkerConfig(
                 job=self.job,
                 rank=rank,
                 world_size=settings.workers,
@@ -59,15 +52,9 @@ class TorchEngine(GroupEngine):
                 coordinator_tls_ca=cluster.tls_ca[rank],
                 settings=settings,
             )
-            handles.append(place_rank(actor_cls, config, self.job, rank, placement))
-        workers = self._workers = WorkerGroup(handles, placement, settings)
-        workers.failure_notes = cluster.failure_notes
-        # Every rank constructed first (torch imported, policy built: slow on a busy node),
-        # so the rendezvous timeout covers only the join itself.
-        workers.gather([h.where.remote() for h in handles], "startup", None)
-        # Rank 0 picks the rendezvous address on its node; everyone joins it.
-        addr, port = workers.gather([handles[0].rendezvous_address.remote()], "startup", None)[0]
-        workers.gather([h.setup.remote(addr, port) for h in handles], "process-group setup", None)
+            for rank in range(len(cluster.placement.slots))
+        ]
+        self._start_ranks(TrainerWorker, configs, cluster)
 
     def describe(self) -> str:
         return f"mode {self.settings.mode}"
@@ -91,18 +78,10 @@ class TorchEngine(GroupEngine):
             raise TrainingFailedError(
                 f"--verify: step 0 was empty ({results[0].skip_reason}); try another --seed"
             )
-        per_rank = workers.gather(
-            [h.gradients.remote() for h in workers.handles], "gradient fetch", 0
-        )
-        for rank, grads in enumerate(per_rank[1:], start=1):
-            unequal = [n for n in grads if not torch.equal(grads[n], per_rank[0][n])]
-            if unequal:
-                raise TrainingFailedError(
-                    f"--verify: rank {rank}'s summed gradients differ from rank 0's for {unequal}"
-                )
+        gradients = rank_gradients(workers, 0)
         single, single_loss = single_process_gradients(self.settings, self.job, batch)
         return compare_gradients(
-            per_rank[0],
+            gradients,
             single,
             world_size=len(workers),
             distributed_loss=sum(results[0].losses.values()),

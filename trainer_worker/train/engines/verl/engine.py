@@ -24,12 +24,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import ray
 import torch
 
 from lossreduce.ports import LOOPBACK, free_port
 from lossreduce.trainer_worker.train.engines.base import WorkerCluster
-from lossreduce.trainer_worker.train.engines.group import GroupEngine, sample_step
+from lossreduce.trainer_worker.train.engines.group import GroupEngine, rank_gradients, sample_step
 from lossreduce.trainer_worker.train.engines.verl.worker import (
     VerlStepResult,
     VerlWorker,
@@ -44,8 +43,6 @@ from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport, compare_gradients
 from lossreduce.trainer_worker.train.worker_group import (
     TrainingFailedError,
-    WorkerGroup,
-    place_rank,
 )
 
 __all__ = ["VerlEngine"]
@@ -65,26 +62,22 @@ class VerlEngine(GroupEngine):
 
     def start(self, cluster: WorkerCluster) -> None:
         """One actor per slot in rank order, joined in one torch.distributed group."""
-        settings, placement = self.settings, cluster.placement
-        actor_cls = ray.remote(VerlWorker)
-        handles = []
-        for rank in range(len(placement.slots)):
-            config = VerlWorkerConfig(
+        settings = self.settings
+        coordinator = settings.normalizer == "coordinator"
+        configs = [
+            VerlWorkerConfig(
                 job=self.job,
                 rank=rank,
                 world_size=settings.workers,
-                coordinator=cluster.targets[rank] if settings.normalizer == "coordinator" else None,
+                coordinator=cluster.targets[rank] if coordinator else None,
                 coordinator_token=cluster.token,
                 coordinator_tls_ca=cluster.tls_ca[rank],
                 model_path=self.model_dir,
                 settings=settings,
             )
-            handles.append(place_rank(actor_cls, config, self.job, rank, placement))
-        workers = self._workers = WorkerGroup(handles, placement, settings)
-        workers.failure_notes = cluster.failure_notes
-        workers.gather([h.where.remote() for h in handles], "startup", None)
-        addr, port = workers.gather([handles[0].rendezvous_address.remote()], "startup", None)[0]
-        workers.gather([h.setup.remote(addr, port) for h in handles], "verl worker setup", None)
+            for rank in range(len(cluster.placement.slots))
+        ]
+        self._start_ranks(VerlWorker, configs, cluster)
 
     def describe(self) -> str:
         return (
@@ -109,18 +102,10 @@ class VerlEngine(GroupEngine):
         results = self._train_step(batch, 0, capture=True)
         if results[0].skipped:
             raise TrainingFailedError("--verify: step 0 was empty; try another --seed")
-        per_rank = workers.gather(
-            [h.gradients.remote() for h in workers.handles], "gradient fetch", 0
-        )
-        for rank, grads in enumerate(per_rank[1:], start=1):
-            unequal = [n for n in grads if not torch.equal(grads[n], per_rank[0][n])]
-            if unequal:
-                raise TrainingFailedError(
-                    f"--verify: rank {rank}'s averaged gradients differ from rank 0's for {unequal}"
-                )
+        gradients = rank_gradients(workers, 0)
         single, single_result = self._replay(batch)
         return compare_gradients(
-            per_rank[0],
+            gradients,
             single,
             world_size=len(workers),
             distributed_loss=sum(results[0].losses.values()),

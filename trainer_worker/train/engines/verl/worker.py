@@ -33,19 +33,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import ray
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
-from torch import Tensor, nn
+from pydantic import Field
+from torch import Tensor
 
-from lossreduce.ports import free_port
+from lossreduce.client import ClientSettings
+from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
+from lossreduce.trainer_worker.train.engines.rank import RankActor, RankConfig, sample_slice
 from lossreduce.trainer_worker.train.engines.verl.env import prepare_verl_process
 from lossreduce.trainer_worker.train.engines.verl.model import FullVocabLogits
-from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples, sample_responses
-from lossreduce.trainer_worker.train.task import stream_seed
-from lossreduce.trainer_worker.train.train_settings import TrainSettings
+from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -60,24 +60,9 @@ def padded_rows(shard_rows: Sequence[int], microbatches: int) -> int:
     return per_micro * microbatches
 
 
-class VerlWorkerConfig(BaseModel):
+class VerlWorkerConfig(RankConfig):
     """What one rank needs to start."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    job: str = Field(description="Job name of the coordinator rounds and metrics.")
-    rank: int = Field(ge=0, description="This worker's rank.")
-    world_size: int = Field(ge=1, description="Number of ranks.")
-    coordinator: str | None = Field(
-        description="HOST:PORT this rank sends its partials to: the coordinator or its node's "
-        "agent (None with the torch normalizer)."
-    )
-    coordinator_token: SecretStr | None = Field(
-        description="Bearer token the coordinator accepts (None: send none)."
-    )
-    coordinator_tls_ca: bytes | None = Field(
-        default=None, description="PEM CA of the coordinator's TLS certificate (None: plaintext)."
-    )
     cpu_threads: int | None = Field(
         default=1,
         description="torch threads of this process on CPU (one bundle is one CPU: more only "
@@ -87,7 +72,6 @@ class VerlWorkerConfig(BaseModel):
         description="The built-in policy's checkpoint folder, as the driver saved it; a rank "
         "on a node without it rebuilds it from the seed."
     )
-    settings: TrainSettings = Field(description="The run's settings.")
 
 
 @dataclass(frozen=True)
@@ -111,7 +95,7 @@ def _full(tensor: Tensor) -> Tensor:
     return full.detach().cpu().clone()
 
 
-class VerlWorker:
+class VerlWorker(RankActor):
     """One rank: verl's actor worker, the rollout copy of its policy, and the reference."""
 
     def __init__(self, config: VerlWorkerConfig) -> None:
@@ -123,23 +107,11 @@ class VerlWorker:
         if self.cpu and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         self._actor: Any = None
-        self._rollout: nn.Module | None = None
-        self._reference: nn.Module | None = None
+        self._rollout: FullVocabLogits | None = None
+        self._reference: FullVocabLogits | None = None
         self.captured_gradients: dict[str, Tensor] | None = None
 
     # -- setup ---------------------------------------------------------------
-
-    def where(self) -> tuple[str, str, str]:
-        """(node IP, node id, device) of this worker, for messages."""
-        return (
-            ray.util.get_node_ip_address(),
-            ray.get_runtime_context().get_node_id(),
-            str(self.device),
-        )
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 only: an address and free port on its node for torch.distributed."""
-        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group, start verl's actor worker and load the rollout copies."""
@@ -178,13 +150,10 @@ class VerlWorker:
         if self.settings.kl_coef > 0:
             self._reference = copy.deepcopy(self._rollout)
 
-    def _reduction(self) -> Any:
-        from lossreduce.client import ClientSettings
-        from lossreduce.trainer_worker.integrations.verl import VerlReductionSettings
-
+    def _reduction(self) -> VerlReductionSettings:
         settings = self.settings
         return VerlReductionSettings(
-            mode=settings.mode,
+            mode=PolicyGradientMode(settings.mode),
             divisor=settings.effective_divisor,
             normalizer=settings.normalizer,
             coordinator=self.config.coordinator,
@@ -216,23 +185,14 @@ class VerlWorker:
         """Responses for prompts ``first_prompt ...`` of ``step``, on CPU."""
         if self._rollout is None:
             raise RuntimeError(f"rank {self.rank}: setup() was not called")
-        generator = torch.Generator().manual_seed(
-            stream_seed(self.settings.seed, "sample", step, first_prompt)
-        )
-        samples = sample_responses(
+        return sample_slice(
+            self.settings,
             self._rollout,
             self._reference,
-            prompt_tokens.to(self.device),
-            samples_per_prompt=self.settings.samples_per_prompt,
-            response_len=self.settings.response_len,
-            temperature=self.settings.temperature,
-            generator=generator,
-        )
-        return Samples(
-            tokens=samples.tokens.cpu(),
-            loss_mask=samples.loss_mask.cpu(),
-            old_logprobs=samples.old_logprobs.cpu(),
-            ref_logprobs=samples.ref_logprobs.cpu(),
+            step=step,
+            prompt_tokens=prompt_tokens,
+            first_prompt=first_prompt,
+            device=self.device,
         )
 
     def train(

@@ -109,7 +109,9 @@ def test_verl_on_two_workers_with_the_coordinator_actor(ray_session: None, tmp_p
 
 @pytest.mark.ray
 def test_verl_with_the_torch_normalizer(ray_session: None, tmp_path: Path) -> None:
-    result, printed = _run(TrainSettings(**TINY, normalizer="torch", mode="token_mean", out=tmp_path))
+    result, printed = _run(
+        TrainSettings(**TINY, normalizer="torch", mode="token_mean", out=tmp_path)
+    )
     assert "normalizer torch" in printed
     assert len(result.records) == 3
     for record in result.records:
