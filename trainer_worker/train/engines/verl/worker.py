@@ -124,8 +124,12 @@ class VerlWorker(RankActor):
             LOCAL_RANK="0",
             LOCAL_WORLD_SIZE="1",
         )
+        if not self.cpu:
+            torch.cuda.set_device(0)
         dist.init_process_group(
-            "gloo" if self.cpu else "nccl",
+            # verl's own choice on CUDA: gloo for its CPU collectives (object gathers), nccl
+            # for tensors. lossreduce's CPU platform asks for gloo alone.
+            "gloo" if self.cpu else "cpu:gloo,cuda:nccl",
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank,
             world_size=self.config.world_size,

@@ -138,3 +138,54 @@ def test_verify_matches_one_verl_process_on_the_same_batch(
     # A wrong normalizer would be off by a share of the gradient, far above the tolerance.
     assert report.max_abs_diff < 1e-3 * report.scale
     assert not torch.distributed.is_initialized()
+
+
+def test_a_shard_is_verls_mini_batch_topped_up_with_rows_that_count_nowhere() -> None:
+    from lossreduce.trainer_worker.train.engines.verl.batch import mini_batch
+    from lossreduce.trainer_worker.train.rollouts import RolloutBatch
+
+    # Two groups (3 and 2 responses) of a 1 + 3 token prompt and 4 response tokens.
+    mask = torch.tensor(
+        [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32
+    )
+    shard = RolloutBatch(
+        tokens=torch.randint(0, 10, (5, 8)),
+        loss_mask=mask,
+        old_logprobs=torch.randn(5, 4),
+        ref_logprobs=torch.randn(5, 4),
+        advantages=torch.randn(5),
+        group_sizes=(3, 2),
+        prompt_len=4,
+    )
+    data = mini_batch(shard, [7, 2], rows=8, world_size=2, microbatches=2, temperature=1.0, rank=1)
+    assert data.batch_size[0] == 8
+    response_mask = data["response_mask"]
+    response_mask = response_mask.to_padded_tensor(0) if response_mask.is_nested else response_mask
+    assert response_mask.sum(-1).tolist() == [4, 2, 1, 3, 4, 0, 0, 0]
+    assert list(data["uid"]) == [
+        *["group-7"] * 3,
+        *["group-2"] * 2,
+        "pad-1-0",
+        "pad-1-1",
+        "pad-1-2",
+    ]
+    assert data["mini_batch_size"] == 16  # global: rows x ranks
+    assert data["micro_batch_size_per_gpu"] == 4
+    with pytest.raises(ValueError, match=r"rank 1: a shard of 5 rows in 2 groups does not fit 6"):
+        mini_batch(shard, [7, 2], rows=6, world_size=2, microbatches=4, temperature=1.0, rank=1)
+
+
+@pytest.mark.ray
+def test_a_step_the_filter_empties_is_skipped_on_every_rank(
+    ray_session: None, tmp_path: Path
+) -> None:
+    # Near-greedy sampling: every group's responses are identical, so the filter drops all.
+    settings = TrainSettings(
+        **{**TINY, "steps": 2}, temperature=1e-4, on_empty_step="skip", out=tmp_path
+    )
+    result, printed = _run(settings)
+    assert [r.skipped for r in result.records] == [True, True], printed
+    for record in result.records:
+        assert record.responses == record.groups == record.tokens == 0
+        assert record.losses == {}
+        assert record.normalizers == {}
