@@ -14,7 +14,7 @@ step (plus, with a KL term, the frozen initial policy as the reference). Per ste
 
 The process selects verl's platform before verl is imported (:mod:`.env`:
 lossreduce's CPU platform when there is no CUDA) and joins torch.distributed
-itself (gloo on CPU, nccl on CUDA) before verl's worker starts, which then
+itself (gloo on CPU; gloo and nccl on CUDA, as verl does) before verl's worker starts, which then
 finds the group initialized. The class is plain Python; the driver wraps it
 with ``ray.remote``, and ``--verify`` runs it in the driver as a group of one.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -106,6 +107,7 @@ class VerlWorker(RankActor):
         self.device = torch.device("cpu" if self.cpu else "cuda")
         if self.cpu and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
+        # A LossReduceTrainingWorker once set up (its class imports verl: not before).
         self._actor: Any = None
         self._rollout: FullVocabLogits | None = None
         self._reference: FullVocabLogits | None = None
@@ -176,8 +178,6 @@ class VerlWorker(RankActor):
         if path.is_dir():
             return path
         # Another node without the driver's disk: the same seed builds the same model.
-        import tempfile
-
         from lossreduce.trainer_worker.train.hf_policy import save_task_qwen2
 
         local = Path(tempfile.gettempdir()) / f"lossreduce-{self.config.job}-rank{self.rank}-model"
