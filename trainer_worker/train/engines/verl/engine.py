@@ -138,8 +138,10 @@ class VerlEngine(GroupEngine):
             model_path=self.model_dir,
             settings=self.settings.model_copy(update={"normalizer": "torch"}),
         )
+        # verl's platform stays chosen for the process (verl stays imported); only the
+        # rendezvous variables of this group of one are undone.
+        replay = VerlWorker(config)
         with _scoped_environ():
-            replay = VerlWorker(config)
             try:
                 replay.setup(LOOPBACK, free_port())
                 groups = list(range(len(batch.group_sizes)))
@@ -152,7 +154,8 @@ class VerlEngine(GroupEngine):
 
 @contextmanager
 def _scoped_environ() -> Iterator[None]:
-    """The driver's environment back as it was after the replay set its rank variables."""
+    """The driver's environment back as it was after the replay set its rank variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...)."""
     saved = dict(os.environ)
     try:
         yield
