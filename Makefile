@@ -59,13 +59,14 @@ docs: $(VENV)/.installed-dev linked-tree
 
 pytest: $(VENV)/.installed-dev
 	$(BIN)/pytest --ignore=tests/trainer_worker/integrations/verl \
+		--ignore=tests/trainer_worker/train/engines/verl \
 		--ignore=tests/trainer_worker/integrations/areal $(PYTEST_ARGS)
 
-# verl 0.9.1 pins transformers<5.11 (the trl extra needs >=5.24): its tests run in
-# an environment of their own. verl itself goes in --no-deps (its GPU-only
-# dependencies are never imported on this path); its wheel also installs its own
-# test suite as a top-level `tests` package, which would shadow ours, so that
-# folder is removed.
+# verl 0.9.1 pins transformers<5.11 (the trl extra needs >=5.24): its tests (the
+# integration's and `lossreduce train --engine verl`'s) run in an environment of
+# their own. verl itself goes in --no-deps (its GPU-only dependencies are never
+# imported on this path); its wheel also installs its own test suite as a
+# top-level `tests` package, which would shadow ours, so that folder is removed.
 VERL_VENV := .venv-verl
 VERL_PY   := $(VERL_VENV)/bin/python
 VERL_REQS := tests/trainer_worker/integrations/verl/requirements.txt
@@ -78,7 +79,8 @@ $(VERL_VENV)/.installed: pyproject.toml $(VERL_REQS)
 	touch $@
 
 test-verl: $(VERL_VENV)/.installed
-	$(VERL_VENV)/bin/pytest tests/trainer_worker/integrations/verl $(PYTEST_ARGS)
+	$(VERL_VENV)/bin/pytest tests/trainer_worker/integrations/verl \
+		tests/trainer_worker/train/engines/verl $(PYTEST_ARGS)
 
 # AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal)
 # run in an environment of their own: lossreduce[areal] pinned by the constraints

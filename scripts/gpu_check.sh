@@ -12,7 +12,9 @@
 #   2. lossreduce train --engine trl: TRL on CUDA;
 #   3. verl's FSDP2 engine on CUDA: stock TrainingWorker vs LossReduceTrainingWorker
 #      on one mini-batch (same update in token_mean, the normalizers), and the
-#      device-to-host syncs per mini-batch step of each (torch's sync debug mode).
+#      device-to-host syncs per mini-batch step of each (torch's sync debug mode);
+#   4. lossreduce train --engine verl: verl's FSDP2 actor worker on the GPU (nccl), a few
+#      steps, then --verify against one verl worker in the driver.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv-verl/bin/python}
@@ -40,4 +42,6 @@ check torch-nccl "$BIN/lossreduce" train --engine torch --workers 1 --steps 5 --
 check trl-cuda "$BIN/lossreduce" train --engine trl --workers 1 --steps 3 --out "$OUT/trl"
 check verl-fsdp2-cuda "$PYTHON" scripts/gpu_check_verl.py "$OUT/verl.json"
 [ -f "$OUT/verl.json" ] && cat "$OUT/verl.json"
+check verl-engine-cuda "$BIN/lossreduce" train --engine verl --workers 1 --steps 3 --out "$OUT/verl-engine"
+check verl-engine-verify "$BIN/lossreduce" train --engine verl --workers 1 --verify --out "$OUT/verl-verify"
 exit $failed

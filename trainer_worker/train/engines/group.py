@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from lossreduce.trainer_worker.train.train_settings import TrainSettings
-from lossreduce.trainer_worker.train.worker_group import WorkerGroup
+import ray
+import torch
 
-__all__ = ["GroupEngine"]
+from lossreduce.trainer_worker.train.engines.base import WorkerCluster
+from lossreduce.trainer_worker.train.engines.rank import RankConfig
+from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples, build_batch
+from lossreduce.trainer_worker.train.task import DigitTask, stream_seed
+from lossreduce.trainer_worker.train.train_settings import TrainSettings
+from lossreduce.trainer_worker.train.worker_group import (
+    TrainingFailedError,
+    WorkerGroup,
+    place_rank,
+)
+
+__all__ = ["GroupEngine", "join_group", "rank_gradients", "sample_step"]
 
 
 class GroupEngine:
@@ -28,7 +40,77 @@ class GroupEngine:
             raise RuntimeError(f"{type(self).__name__}: the workers are not started")
         return self._workers
 
+    def _start_ranks(
+        self, worker_cls: type, configs: Sequence[RankConfig], cluster: WorkerCluster
+    ) -> WorkerGroup:
+        """``worker_cls(config)`` as one named actor per slot in rank order, joined in
+        one process group (:func:`join_group`)."""
+        actor_cls = ray.remote(worker_cls)
+        placement = cluster.placement
+        handles = [
+            place_rank(actor_cls, config, self.job, config.rank, placement) for config in configs
+        ]
+        workers = self._workers = WorkerGroup(handles, placement, self.settings)
+        workers.failure_notes = cluster.failure_notes
+        join_group(workers)
+        return workers
+
     def shutdown(self, graceful: bool) -> None:
         """End the workers, if any were started."""
         if self._workers is not None:
             self._workers.shutdown(graceful)
+
+
+def sample_step(
+    settings: TrainSettings, task: DigitTask, workers: WorkerGroup, step: int
+) -> tuple[RolloutBatch, float]:
+    """One step's rollouts on workers whose ``sample(step, prompt_tokens, first_prompt)``
+    returns :class:`Samples`: each samples its slice of the step's prompts; the driver
+    scores, filters and attaches group advantages. The batch and its mean reward."""
+    prompts = task.sample_prompts(
+        settings.prompts_per_step,
+        torch.Generator().manual_seed(stream_seed(settings.seed, "prompts", step)),
+    )
+    count, world = len(prompts), len(workers)
+    bounds = [r * count // world for r in range(world + 1)]
+    ranks = [r for r in range(world) if bounds[r + 1] > bounds[r]]
+    futures = [
+        workers.handles[r].sample.remote(step, prompts.tokens[bounds[r] : bounds[r + 1]], bounds[r])
+        for r in ranks
+    ]
+    samples = Samples.concat(workers.gather(futures, "sampling", step, ranks))
+    prompt_len = prompts.tokens.shape[1]
+    targets = prompts.targets.repeat_interleave(settings.samples_per_prompt, dim=0)
+    rewards = task.score(samples.tokens[:, prompt_len:], targets)  # [N]
+    batch = build_batch(samples, rewards, settings.samples_per_prompt, prompt_len)
+    return batch, float(rewards.mean())
+
+
+def join_group(workers: WorkerGroup) -> None:
+    """Every rank constructed, then joined in one process group at rank 0's address.
+
+    Construction first (torch imported, policy built: slow on a busy node), so the
+    rendezvous timeout covers only the join itself; the ranks' ``setup(addr, port)``
+    joins it.
+    """
+    handles = workers.handles
+    workers.gather([h.where.remote() for h in handles], "startup", None)
+    addr, port = workers.gather([handles[0].rendezvous_address.remote()], "startup", None)[0]
+    workers.gather([h.setup.remote(addr, port) for h in handles], "process-group setup", None)
+
+
+def rank_gradients(workers: WorkerGroup, step: int) -> dict[str, torch.Tensor]:
+    """The gradients every rank captured in ``step`` (its ``gradients()``), which the
+    gradient sync must have made equal on every rank: rank 0's, or
+    :class:`TrainingFailedError` naming the first rank and parameters that differ."""
+    per_rank = workers.gather(
+        [h.gradients.remote() for h in workers.handles], "gradient fetch", step
+    )
+    for rank, grads in enumerate(per_rank[1:], start=1):
+        unequal = [n for n in grads if not torch.equal(grads[n], per_rank[0][n])]
+        if unequal:
+            raise TrainingFailedError(
+                f"--verify: rank {rank}'s synced gradients differ from rank 0's for {unequal}"
+            )
+    first: dict[str, torch.Tensor] = per_rank[0]
+    return first

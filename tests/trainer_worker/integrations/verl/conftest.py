@@ -8,21 +8,6 @@ those filtered. The ranks the tests spawn set the same environment themselves.
 
 from __future__ import annotations
 
-import os
-import warnings
+from tests.trainer_worker.integrations.verl.verl_runs import prepare_test_process
 
-from tests.trainer_worker.integrations.verl.verl_runs import VERL_ENV
-
-for key, value in VERL_ENV.items():
-    os.environ.setdefault(key, value)
-
-with warnings.catch_warnings():
-    warnings.filterwarnings(
-        "ignore",
-        message=r"(torchtitan|veomni|automodel|mindspeed|megatron) engine is not available",
-        category=UserWarning,
-    )
-    warnings.filterwarnings(
-        "ignore", message="Ray state API is no longer experimental", category=DeprecationWarning
-    )
-    import verl.workers.engine_workers  # noqa: F401
+prepare_test_process()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,6 +34,24 @@ VERL_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 LR = 1.0
+
+
+def prepare_test_process() -> None:
+    """Set :data:`VERL_ENV` and import verl once with exactly its import-time warnings
+    filtered: every optional engine it cannot load here (Megatron, TorchTitan, VeOmni,
+    ...) and Ray's deprecated state API (the pytest config turns warnings into errors)."""
+    for key, value in VERL_ENV.items():
+        os.environ.setdefault(key, value)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"(torchtitan|veomni|automodel|mindspeed|megatron) engine is not available",
+            category=UserWarning,
+        )
+        warnings.filterwarnings(
+            "ignore", message="Ray state API is no longer experimental", category=DeprecationWarning
+        )
+        import verl.workers.engine_workers  # noqa: F401
 
 
 @dataclass(frozen=True)

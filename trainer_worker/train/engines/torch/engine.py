@@ -12,11 +12,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import ray
-import torch
-
 from lossreduce.trainer_worker.train.engines.base import WorkerCluster
-from lossreduce.trainer_worker.train.engines.group import GroupEngine
+from lossreduce.trainer_worker.train.engines.group import GroupEngine, rank_gradients, sample_step
 from lossreduce.trainer_worker.train.engines.torch.replay import single_process_gradients
 from lossreduce.trainer_worker.train.engines.torch.worker import (
     TrainerWorker,
@@ -24,19 +21,12 @@ from lossreduce.trainer_worker.train.engines.torch.worker import (
     WorkerStepResult,
 )
 from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
-from lossreduce.trainer_worker.train.rollouts import (
-    RolloutBatch,
-    Samples,
-    build_batch,
-    shard_groups,
-)
-from lossreduce.trainer_worker.train.task import DigitTask, stream_seed
+from lossreduce.trainer_worker.train.rollouts import RolloutBatch, shard_groups
+from lossreduce.trainer_worker.train.task import DigitTask
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport, compare_gradients
 from lossreduce.trainer_worker.train.worker_group import (
     TrainingFailedError,
-    WorkerGroup,
-    place_rank,
 )
 
 __all__ = ["TorchEngine"]
@@ -51,11 +41,9 @@ class TorchEngine(GroupEngine):
 
     def start(self, cluster: WorkerCluster) -> None:
         """One actor per slot in rank order, joined in one torch.distributed group."""
-        settings, placement = self.settings, cluster.placement
-        actor_cls = ray.remote(TrainerWorker)
-        handles = []
-        for rank in range(len(placement.slots)):
-            config = WorkerConfig(
+        settings = self.settings
+        configs = [
+            WorkerConfig(
                 job=self.job,
                 rank=rank,
                 world_size=settings.workers,
@@ -64,15 +52,9 @@ class TorchEngine(GroupEngine):
                 coordinator_tls_ca=cluster.tls_ca[rank],
                 settings=settings,
             )
-            handles.append(place_rank(actor_cls, config, self.job, rank, placement))
-        workers = self._workers = WorkerGroup(handles, placement, settings)
-        workers.failure_notes = cluster.failure_notes
-        # Every rank constructed first (torch imported, policy built: slow on a busy node),
-        # so the rendezvous timeout covers only the join itself.
-        workers.gather([h.where.remote() for h in handles], "startup", None)
-        # Rank 0 picks the rendezvous address on its node; everyone joins it.
-        addr, port = workers.gather([handles[0].rendezvous_address.remote()], "startup", None)[0]
-        workers.gather([h.setup.remote(addr, port) for h in handles], "process-group setup", None)
+            for rank in range(len(cluster.placement.slots))
+        ]
+        self._start_ranks(TrainerWorker, configs, cluster)
 
     def describe(self) -> str:
         return f"mode {self.settings.mode}"
@@ -96,18 +78,10 @@ class TorchEngine(GroupEngine):
             raise TrainingFailedError(
                 f"--verify: step 0 was empty ({results[0].skip_reason}); try another --seed"
             )
-        per_rank = workers.gather(
-            [h.gradients.remote() for h in workers.handles], "gradient fetch", 0
-        )
-        for rank, grads in enumerate(per_rank[1:], start=1):
-            unequal = [n for n in grads if not torch.equal(grads[n], per_rank[0][n])]
-            if unequal:
-                raise TrainingFailedError(
-                    f"--verify: rank {rank}'s summed gradients differ from rank 0's for {unequal}"
-                )
+        gradients = rank_gradients(workers, 0)
         single, single_loss = single_process_gradients(self.settings, self.job, batch)
         return compare_gradients(
-            per_rank[0],
+            gradients,
             single,
             world_size=len(workers),
             distributed_loss=sum(results[0].losses.values()),
@@ -116,26 +90,7 @@ class TorchEngine(GroupEngine):
 
     def _rollouts(self, step: int) -> tuple[RolloutBatch, float]:
         """Sample on every worker, score, filter: the step's batch and its mean reward."""
-        settings, workers = self.settings, self.workers
-        prompts = self.task.sample_prompts(
-            settings.prompts_per_step,
-            torch.Generator().manual_seed(stream_seed(settings.seed, "prompts", step)),
-        )
-        count, world = len(prompts), len(workers)
-        bounds = [r * count // world for r in range(world + 1)]
-        ranks = [r for r in range(world) if bounds[r + 1] > bounds[r]]
-        futures = [
-            workers.handles[r].sample.remote(
-                step, prompts.tokens[bounds[r] : bounds[r + 1]], bounds[r]
-            )
-            for r in ranks
-        ]
-        samples = Samples.concat(workers.gather(futures, "sampling", step, ranks))
-        prompt_len = prompts.tokens.shape[1]
-        targets = prompts.targets.repeat_interleave(settings.samples_per_prompt, dim=0)
-        rewards = self.task.score(samples.tokens[:, prompt_len:], targets)  # [N]
-        batch = build_batch(samples, rewards, settings.samples_per_prompt, prompt_len)
-        return batch, float(rewards.mean())
+        return sample_step(self.settings, self.task, self.workers, step)
 
     def _train_step(
         self, batch: RolloutBatch, reward: float, step: int, capture: bool = False
