@@ -20,6 +20,7 @@ __all__ = ["ENGINE_PACKAGES", "engine_names", "get_engine"]
 ENGINE_PACKAGES = {
     "torch": "lossreduce.trainer_worker.train.engines.torch",
     "trl": "lossreduce.trainer_worker.train.engines.trl",
+    "areal": "lossreduce.trainer_worker.train.engines.areal",
 }
 """``--engine`` value -> the package that defines its ``ENGINE``."""
 
