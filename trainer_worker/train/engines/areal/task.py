@@ -65,21 +65,26 @@ def trajectories(batch: RolloutBatch, *, with_reference: bool) -> list[Trajector
     return out
 
 
-def placeholder_group(prompt_len: int, width: int, *, with_reference: bool) -> Trajectory:
-    """One response with no loss token, for a rank that got no prompt group.
+def placeholder_group(
+    prompt_len: int, width: int, rows: int, *, with_reference: bool
+) -> Trajectory:
+    """``rows`` responses without a loss token, for a rank with fewer rows than micro-batches.
 
-    Every rank of AReaL's FSDP group runs the same forwards (their parameter
-    all-gathers are collective), and a rank with nothing to train still takes
-    part in the step's round, sending partials of 0 (docs/reduction-semantics.md).
+    AReaL cuts a rank's batch into exactly ``n_mbs`` micro-batches and needs a
+    row for each, and every rank of its FSDP group must run as many forwards
+    (their parameter all-gathers are collective). Rows without a loss token
+    are no active unit in any mode: they add 0 to every partial, and a rank
+    with nothing to train still takes part in the step's round
+    (docs/reduction-semantics.md).
     """
-    tokens = torch.full((1, width), EOS, dtype=torch.long)
-    tokens[0, 0] = BOS
+    tokens = torch.full((rows, width), EOS, dtype=torch.long)
+    tokens[:, 0] = BOS
     item: Trajectory = {
         "input_ids": tokens,
-        "attention_mask": torch.arange(width)[None, :] < prompt_len,
-        "loss_mask": torch.zeros(1, width),
-        "rewards": torch.zeros(1),
+        "attention_mask": (torch.arange(width)[None, :] < prompt_len).expand(rows, width),
+        "loss_mask": torch.zeros(rows, width),
+        "rewards": torch.zeros(rows),
     }
     if with_reference:
-        item["ref_logp"] = torch.zeros(1, width)
+        item["ref_logp"] = torch.zeros(rows, width)
     return item

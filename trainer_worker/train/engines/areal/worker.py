@@ -39,6 +39,7 @@ from areal.utils import stats_tracker
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.nn import functional
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -276,14 +277,19 @@ class ArealWorker:
         start = time.perf_counter()
         with_reference = self._reference is not None
         groups = trajectories(shard, with_reference=with_reference)
-        if not groups:
+        missing = self.settings.microbatches - len(shard)
+        if missing > 0:
             width = int(shard.tokens.shape[1])
-            groups = [placeholder_group(shard.prompt_len, width, with_reference=with_reference)]
+            groups.append(
+                placeholder_group(shard.prompt_len, width, missing, with_reference=with_reference)
+            )
         device = actor.device
         groups = [{k: v.to(device) for k, v in g.items()} for g in groups]
         stats_tracker.export(reset=True)  # what earlier calls recorded
         for group, logp in zip(groups, actor.compute_logp(groups), strict=True):
-            group["prox_logp"] = logp
+            # [n, t] with t the batch's longest attended sequence: padded back to [n, T].
+            width = group["input_ids"].shape[1]
+            group["prox_logp"] = functional.pad(logp, (0, width - logp.shape[-1]))
         groups = actor.compute_advantages(groups)
         numerators = _policy_numerators(self.settings, groups)
         self._capture = capture
