@@ -31,12 +31,11 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import ray
 import torch
 import torch.distributed as dist
 from areal.api.io_struct import FinetuneSpec
 from areal.utils import stats_tracker
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
@@ -44,7 +43,6 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from lossreduce.client import ClientSettings
-from lossreduce.ports import free_port
 from lossreduce.trainer_worker.integrations.areal import (
     ArealReductionSettings,
     LossReduceFSDPPPOActor,
@@ -63,9 +61,14 @@ from lossreduce.trainer_worker.train.engines.areal.task import (
     trajectories,
 )
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
+from lossreduce.trainer_worker.train.engines.group import (
+    RankConfig,
+    rank_location,
+    rendezvous_address,
+    sample_slice,
+)
 from lossreduce.trainer_worker.train.hf_policy import TaskLogits
-from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples, sample_responses
-from lossreduce.trainer_worker.train.task import stream_seed
+from lossreduce.trainer_worker.train.rollouts import RolloutBatch, Samples
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 
 __all__ = ["ArealStepResult", "ArealWorker", "ArealWorkerConfig", "reduction_settings"]
@@ -74,26 +77,10 @@ _STATS = "ppo_actor/update/"
 """Scope of what AReaL's ``ppo_update`` records of its ``train_batch``."""
 
 
-class ArealWorkerConfig(BaseModel):
-    """What one rank needs to start."""
+class ArealWorkerConfig(RankConfig):
+    """What one rank needs to start: the shared fields and the policy's folder."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    job: str = Field(description="Job name of the coordinator rounds and errors.")
-    rank: int = Field(ge=0, description="This worker's rank.")
-    world_size: int = Field(ge=1, description="Number of ranks.")
-    coordinator: str | None = Field(
-        description="HOST:PORT of the coordinator or of this node's agent (None with the "
-        "torch normalizer)."
-    )
-    coordinator_token: SecretStr | None = Field(
-        description="Bearer token the coordinator accepts (None: send none)."
-    )
-    coordinator_tls_ca: bytes | None = Field(
-        description="PEM CA the coordinator's TLS certificate chains to (None: plaintext)."
-    )
     model_path: Path = Field(description="The policy's checkpoint folder (weights, tokenizer).")
-    settings: TrainSettings = Field(description="The run's settings.")
 
 
 @dataclass(frozen=True)
@@ -182,15 +169,11 @@ class ArealWorker:
 
     def where(self) -> tuple[str, str, str]:
         """(node IP, node id, device) of this worker, for messages."""
-        return (
-            ray.util.get_node_ip_address(),
-            ray.get_runtime_context().get_node_id(),
-            "cuda" if self.cuda else "cpu",
-        )
+        return rank_location("cuda" if self.cuda else "cpu")
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 only: an address and free port on its node for torch.distributed."""
-        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+        return rendezvous_address()
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group, build and load the actor (and the KL reference)."""
@@ -251,24 +234,14 @@ class ArealWorker:
     def sample(self, step: int, prompt_tokens: Tensor, first_prompt: int) -> Samples:
         """Responses for prompts ``first_prompt ...`` of ``step`` (every rank at once)."""
         actor = self._require_actor()
-        generator = torch.Generator().manual_seed(
-            stream_seed(self.settings.seed, "sample", step, first_prompt)
-        )
         actor.eval()
-        samples = sample_responses(
+        return sample_slice(
+            self.settings,
             TaskLogits(actor.model),
             self._reference,
             prompt_tokens.to(actor.device),
-            samples_per_prompt=self.settings.samples_per_prompt,
-            response_len=self.settings.response_len,
-            temperature=self.settings.temperature,
-            generator=generator,
-        )
-        return Samples(
-            tokens=samples.tokens.cpu(),
-            loss_mask=samples.loss_mask.cpu(),
-            old_logprobs=samples.old_logprobs.cpu(),
-            ref_logprobs=samples.ref_logprobs.cpu(),
+            step=step,
+            first_prompt=first_prompt,
         )
 
     def train(self, step: int, shard: RolloutBatch, capture: bool = False) -> ArealStepResult:

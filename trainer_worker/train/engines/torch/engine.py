@@ -16,7 +16,7 @@ import ray
 import torch
 
 from lossreduce.trainer_worker.train.engines.base import WorkerCluster
-from lossreduce.trainer_worker.train.engines.group import GroupEngine
+from lossreduce.trainer_worker.train.engines.group import GroupEngine, sample_rollouts, shard_batch
 from lossreduce.trainer_worker.train.engines.torch.replay import single_process_gradients
 from lossreduce.trainer_worker.train.engines.torch.worker import (
     TrainerWorker,
@@ -26,11 +26,8 @@ from lossreduce.trainer_worker.train.engines.torch.worker import (
 from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
 from lossreduce.trainer_worker.train.rollouts import (
     RolloutBatch,
-    Samples,
-    build_batch,
-    shard_groups,
 )
-from lossreduce.trainer_worker.train.task import DigitTask, stream_seed
+from lossreduce.trainer_worker.train.task import DigitTask
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport, compare_gradients
 from lossreduce.trainer_worker.train.worker_group import (
@@ -116,35 +113,15 @@ class TorchEngine(GroupEngine):
 
     def _rollouts(self, step: int) -> tuple[RolloutBatch, float]:
         """Sample on every worker, score, filter: the step's batch and its mean reward."""
-        settings, workers = self.settings, self.workers
-        prompts = self.task.sample_prompts(
-            settings.prompts_per_step,
-            torch.Generator().manual_seed(stream_seed(settings.seed, "prompts", step)),
-        )
-        count, world = len(prompts), len(workers)
-        bounds = [r * count // world for r in range(world + 1)]
-        ranks = [r for r in range(world) if bounds[r + 1] > bounds[r]]
-        futures = [
-            workers.handles[r].sample.remote(
-                step, prompts.tokens[bounds[r] : bounds[r + 1]], bounds[r]
-            )
-            for r in ranks
-        ]
-        samples = Samples.concat(workers.gather(futures, "sampling", step, ranks))
-        prompt_len = prompts.tokens.shape[1]
-        targets = prompts.targets.repeat_interleave(settings.samples_per_prompt, dim=0)
-        rewards = self.task.score(samples.tokens[:, prompt_len:], targets)  # [N]
-        batch = build_batch(samples, rewards, settings.samples_per_prompt, prompt_len)
-        return batch, float(rewards.mean())
+        return sample_rollouts(self.task, self.settings, self.workers, step)
 
     def _train_step(
         self, batch: RolloutBatch, reward: float, step: int, capture: bool = False
     ) -> list[WorkerStepResult]:
         workers = self.workers
-        shards = shard_groups(batch.group_tokens(), len(workers))
         futures = [
-            h.train.remote(step, batch.select_groups(shards[r]), reward, capture)
-            for r, h in enumerate(workers.handles)
+            h.train.remote(step, shard, reward, capture)
+            for h, shard in zip(workers.handles, shard_batch(batch, len(workers)), strict=True)
         ]
         results: list[WorkerStepResult] = workers.gather(futures, "training", step)
         return results

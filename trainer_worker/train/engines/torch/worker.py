@@ -24,13 +24,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import ray
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from torch import Tensor, nn
 
-from lossreduce.ports import free_port
 from lossreduce.trainer_worker.engine import TorchTrainEngine
 from lossreduce.trainer_worker.microbatch import MicrobatchSettings, MicrobatchSplitter
 from lossreduce.trainer_worker.normalizers import (
@@ -41,13 +38,18 @@ from lossreduce.trainer_worker.normalizers import (
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
+from lossreduce.trainer_worker.train.engines.group import (
+    RankConfig,
+    rank_location,
+    rendezvous_address,
+    sample_slice,
+)
 from lossreduce.trainer_worker.train.engines.torch.grpo import GRPOLoss
 from lossreduce.trainer_worker.train.engines.torch.model import CausalTransformer, PolicyConfig
 from lossreduce.trainer_worker.train.metrics import WorkerMetrics
 from lossreduce.trainer_worker.train.rollouts import (
     RolloutBatch,
     Samples,
-    sample_responses,
 )
 from lossreduce.trainer_worker.train.task import INPUT_VOCAB, OUTPUT_VOCAB, stream_seed
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
@@ -64,27 +66,8 @@ __all__ = [
 ]
 
 
-class WorkerConfig(BaseModel):
+class WorkerConfig(RankConfig):
     """What one rank needs to start."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    job: str = Field(description="Job name of the coordinator rounds and metrics.")
-    rank: int = Field(ge=0, description="This worker's rank.")
-    world_size: int = Field(ge=1, description="Number of ranks.")
-    coordinator: str | None = Field(
-        description="HOST:PORT of the coordinator, or of this node's agent when the run "
-        "aggregates per node (None with the torch normalizer)."
-    )
-    coordinator_token: SecretStr | None = Field(
-        description="Bearer token the coordinator accepts (None: send none)."
-    )
-    coordinator_tls_ca: bytes | None = Field(
-        default=None,
-        description="PEM CA the coordinator's TLS certificate chains to (None: plaintext, "
-        "e.g. to a coordinator or agent on loopback).",
-    )
-    settings: TrainSettings = Field(description="The run's settings.")
 
 
 @dataclass(frozen=True)
@@ -194,16 +177,11 @@ class TrainerWorker:
 
     def where(self) -> tuple[str, str, str]:
         """(node IP, node id, device) of this worker, for messages."""
-        return (
-            ray.util.get_node_ip_address(),
-            ray.get_runtime_context().get_node_id(),
-            str(self.device),
-        )
+        return rank_location(str(self.device))
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 only: an address and free port on its node for torch.distributed."""
-        # Free on every interface: peers on other nodes dial the node's IP.
-        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+        return rendezvous_address()
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group and connect the normalizer backend."""
@@ -254,24 +232,14 @@ class TrainerWorker:
 
     def sample(self, step: int, prompt_tokens: Tensor, first_prompt: int) -> Samples:
         """Responses for prompts ``first_prompt ...`` of ``step``, on CPU."""
-        generator = torch.Generator().manual_seed(
-            stream_seed(self.settings.seed, "sample", step, first_prompt)
-        )
         self.policy.eval()
-        samples = sample_responses(
+        return sample_slice(
+            self.settings,
             self.policy,
             self.reference,
             prompt_tokens.to(self.device),
-            samples_per_prompt=self.settings.samples_per_prompt,
-            response_len=self.settings.response_len,
-            temperature=self.settings.temperature,
-            generator=generator,
-        )
-        return Samples(
-            tokens=samples.tokens.cpu(),
-            loss_mask=samples.loss_mask.cpu(),
-            old_logprobs=samples.old_logprobs.cpu(),
-            ref_logprobs=samples.ref_logprobs.cpu(),
+            step=step,
+            first_prompt=first_prompt,
         )
 
     def train(
