@@ -2,8 +2,8 @@
 
 Runs in ``.venv-areal`` (``make test-areal``). The Ray runs share one local
 cluster (2 CPUs) and use the tiny settings below: 2 workers, 2 optimizer
-steps with the coordinator actor and with torch.distributed, and
-``--verify``; each worker runs the real AReaL 1.0.4 ``FSDPPPOActor`` (with
+steps with the coordinator actor and with torch.distributed, an empty step
+and a rank without prompt groups, and ``--verify``; each worker runs the real AReaL 1.0.4 ``FSDPPPOActor`` (with
 the LossReduce mixin) on gloo.
 """
 
@@ -108,3 +108,24 @@ def test_verify_matches_a_one_rank_areal_replay(ray_session: None, tmp_path: Pat
     assert abs(report.distributed_loss - report.single_loss) <= 1e-6 * max(
         1.0, abs(report.single_loss)
     )
+
+
+@pytest.mark.ray
+def test_an_empty_step_is_skipped_and_a_rank_without_groups_takes_part(
+    ray_session: None, tmp_path: Path
+) -> None:
+    # Seed 21 draws, from the initial policy, two prompts whose responses the filter drops
+    # at step 0 (an empty step: skipped on every rank, the policy unchanged), then one
+    # prompt group at step 1, so that rank 1 holds no group and trains on rows without a
+    # loss token.
+    tiny = {**TINY, "prompts_per_step": 2, "samples_per_prompt": 2, "seed": 21}
+    result, _ = _run(
+        TrainSettings(**tiny, normalizer="coordinator", mode="prompt_mean", out=tmp_path)
+    )
+    empty, single = result.records
+    assert empty.skipped
+    assert (empty.groups, empty.losses, empty.normalizers) == (0, {}, {})
+    assert not single.skipped
+    assert single.groups == 1 < TINY["workers"]
+    assert single.normalizers == {"pg": 1.0}
+    assert math.isfinite(single.losses["pg"])
