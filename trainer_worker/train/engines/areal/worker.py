@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,6 +54,7 @@ from lossreduce.trainer_worker.train.engines.areal.model import (
     actor_config,
     eager_on_cpu,
     quiet_areal,
+    save_policy,
     use_per_sequence_attention,
 )
 from lossreduce.trainer_worker.train.engines.areal.task import (
@@ -204,10 +206,11 @@ class ArealWorker:
                 tls_root_cert_pem=config.coordinator_tls_ca,
             ),
         )
+        model_path = self._model_path()
         actor = _TimedActor(
             actor_config(
                 settings,
-                config.model_path,
+                model_path,
                 config.world_size,
                 trial=f"{config.job}-rank{self.rank}",
                 verify=settings.verify,
@@ -226,8 +229,9 @@ class ArealWorker:
         actor.optimizer.register_step_pre_hook(self._capture_gradients)
         self._actor = actor
         if settings.kl_coef > 0:
-            reference = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
-            self._reference = _FullLogits(reference.eval().requires_grad_(False))
+            reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            reference = reference.to(actor.device).eval().requires_grad_(False)
+            self._reference = _FullLogits(reference)
 
     # -- per step ----------------------------------------------------------------
 
@@ -300,6 +304,14 @@ class ArealWorker:
             dist.destroy_process_group()
 
     # -- internals ---------------------------------------------------------------
+
+    def _model_path(self) -> Path:
+        path = self.config.model_path
+        if path.is_dir():
+            return path
+        # Another node without the driver's disk: the same seed builds the same policy.
+        local = Path(tempfile.gettempdir()) / f"lossreduce-{self.config.job}-rank{self.rank}-model"
+        return save_policy(self.settings, local)
 
     def _require_actor(self) -> _TimedActor:
         if self._actor is None:
