@@ -13,6 +13,8 @@ imports it.
 
 from __future__ import annotations
 
+import importlib
+
 from lossreduce.trainer_worker.train.engines.areal.flags import check_flags
 from lossreduce.trainer_worker.train.engines.base import EngineFactory, EngineSpec
 
@@ -20,9 +22,11 @@ __all__ = ["ENGINE"]
 
 
 def _load() -> EngineFactory:
-    # First the integration: it says in one line that AReaL is missing (and how to
-    # install it) or is a version it was not tested with.
-    import lossreduce.trainer_worker.integrations.areal  # noqa: F401
+    # In this order: AReaL silenced before it is imported (quiet does so on import), then
+    # the integration, which says in one line that AReaL is missing (and how to install
+    # it) or is a version it was not tested with.
+    for module in (f"{__name__}.quiet", "lossreduce.trainer_worker.integrations.areal"):
+        importlib.import_module(module)
     from lossreduce.trainer_worker.train.engines.areal.engine import ArealEngine
 
     return ArealEngine

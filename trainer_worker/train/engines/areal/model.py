@@ -23,7 +23,6 @@ Imports AReaL (``.venv-areal``, docs/frameworks/areal.md).
 
 from __future__ import annotations
 
-import logging.config
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,6 @@ __all__ = [
     "actor_config",
     "eager_on_cpu",
     "per_sequence_sdpa",
-    "quiet_areal",
     "save_policy",
     "use_per_sequence_attention",
 ]
@@ -151,17 +149,6 @@ def per_sequence_sdpa(
 def use_per_sequence_attention() -> None:
     """Make transformers' ``sdpa`` :func:`per_sequence_sdpa` in this process."""
     ALL_ATTENTION_FUNCTIONS["sdpa"] = per_sequence_sdpa
-
-
-def quiet_areal() -> None:
-    """AReaL logs only warnings and errors in this process (it logs its configuration and
-    every micro-batch at INFO, from every rank); the driver shows the run's progress."""
-    from areal.utils import logging as areal_logging
-
-    # AReaL re-applies this dictionary on every getLogger call: lower it at the source.
-    for handler in areal_logging.log_config["handlers"].values():
-        handler["level"] = "WARNING"
-    logging.config.dictConfig(areal_logging.log_config)
 
 
 def eager_on_cpu() -> None:

@@ -29,6 +29,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+# Imported first for what it does: AReaL's modules log and warn as they are imported.
+import lossreduce.trainer_worker.train.engines.areal.quiet  # noqa: F401
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -53,7 +56,6 @@ from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, Policy
 from lossreduce.trainer_worker.train.engines.areal.model import (
     actor_config,
     eager_on_cpu,
-    quiet_areal,
     save_policy,
     use_per_sequence_attention,
 )
@@ -161,7 +163,6 @@ class ArealWorker:
         use_per_sequence_attention()
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-        quiet_areal()
         self._actor: _TimedActor | None = None
         self._reference: nn.Module | None = None
         self._capture = False
