@@ -23,6 +23,8 @@ pytest.importorskip("areal")
 from rich.console import Console
 
 from lossreduce.trainer_worker.train.driver import RunResult, run
+from lossreduce.trainer_worker.train.engines.base import Engine
+from lossreduce.trainer_worker.train.engines.registry import get_engine
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from tests.ray_support import local_ray
 
@@ -40,6 +42,13 @@ TINY: dict[str, Any] = {
     "round_timeout_s": 10.0,
     "step_timeout_s": 180.0,
 }
+
+
+def test_the_registered_engine_loads_a_factory_with_the_interface() -> None:
+    factory = get_engine("areal").load()
+    for method in ("start", "describe", "train", "verify", "shutdown"):
+        assert callable(getattr(factory, method)), method
+        assert method in Engine.__dict__
 
 
 @pytest.fixture(scope="module")
