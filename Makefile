@@ -60,7 +60,8 @@ docs: $(VENV)/.installed-dev linked-tree
 pytest: $(VENV)/.installed-dev
 	$(BIN)/pytest --ignore=tests/trainer_worker/integrations/verl \
 		--ignore=tests/trainer_worker/train/engines/verl \
-		--ignore=tests/trainer_worker/integrations/areal $(PYTEST_ARGS)
+		--ignore=tests/trainer_worker/integrations/areal \
+		--ignore=tests/trainer_worker/train/engines/areal $(PYTEST_ARGS)
 
 # verl 0.9.1 pins transformers<5.11 (the trl extra needs >=5.24): its tests (the
 # integration's and `lossreduce train --engine verl`'s) run in an environment of
@@ -82,7 +83,8 @@ test-verl: $(VERL_VENV)/.installed
 	$(VERL_VENV)/bin/pytest tests/trainer_worker/integrations/verl \
 		tests/trainer_worker/train/engines/verl $(PYTEST_ARGS)
 
-# AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal)
+# AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal,
+# and tests/trainer_worker/train/engines/areal: lossreduce train --engine areal)
 # run in an environment of their own: lossreduce[areal] pinned by the constraints
 # file, then areal and swanlab without their dependencies (docs/frameworks/areal.md).
 AREAL_VENV ?= .venv-areal
@@ -98,7 +100,8 @@ $(AREAL_VENV)/.installed: pyproject.toml $(AREAL_CONSTRAINTS)
 	touch $@
 
 test-areal: $(AREAL_VENV)/.installed
-	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal $(PYTEST_ARGS)
+	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal \
+		tests/trainer_worker/train/engines/areal $(PYTEST_ARGS)
 
 # Frameworks whose pins conflict with ours run in environments of their own.
 test: lint docs typecheck pytest test-verl test-areal

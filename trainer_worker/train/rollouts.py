@@ -36,6 +36,7 @@ __all__ = [
     "group_advantages",
     "response_logprobs",
     "sample_responses",
+    "shard_batch",
     "shard_groups",
 ]
 
@@ -272,3 +273,11 @@ def shard_groups(group_tokens: Sequence[int], world_size: int) -> list[list[int]
         shards[rank].append(group)
         loads[rank] += group_tokens[group]
     return [sorted(shard) for shard in shards]
+
+
+def shard_batch(batch: RolloutBatch, world_size: int) -> list[RolloutBatch]:
+    """Each rank's shard of ``batch``: whole prompt groups, balancing tokens
+    (:func:`shard_groups`)."""
+    return [
+        batch.select_groups(groups) for groups in shard_groups(batch.group_tokens(), world_size)
+    ]

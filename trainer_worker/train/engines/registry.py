@@ -21,6 +21,7 @@ ENGINE_PACKAGES = {
     "torch": "lossreduce.trainer_worker.train.engines.torch",
     "trl": "lossreduce.trainer_worker.train.engines.trl",
     "verl": "lossreduce.trainer_worker.train.engines.verl",
+    "areal": "lossreduce.trainer_worker.train.engines.areal",
 }
 """``--engine`` value -> the package that defines its ``ENGINE``."""
 
