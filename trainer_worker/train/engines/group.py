@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -18,6 +20,9 @@ from lossreduce.trainer_worker.train.worker_group import (
     WorkerGroup,
     place_rank,
 )
+
+if TYPE_CHECKING:
+    from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
 
 __all__ = ["GroupEngine", "join_group", "rank_gradients", "sample_step"]
 
@@ -54,6 +59,25 @@ class GroupEngine:
         workers.failure_notes = cluster.failure_notes
         join_group(workers)
         return workers
+
+    def _train_sampled(
+        self,
+        task: DigitTask,
+        observers: Sequence[StepObserver],
+        train_step: Callable[[int, RolloutBatch, float, float], StepRecord],
+    ) -> None:
+        """``--steps`` steps of rollouts from the workers' own sampler (:func:`sample_step`):
+        ``train_step(step, batch, reward, started)`` trains one and returns its record
+        (``started``: the step's ``time.perf_counter()`` before sampling); each observer
+        hears ``on_rollout`` then ``on_step``."""
+        for step in range(self.settings.steps):
+            started = time.perf_counter()
+            batch, reward = sample_step(self.settings, task, self.workers, step)
+            for observer in observers:
+                observer.on_rollout(step)
+            record = train_step(step, batch, reward, started)
+            for observer in observers:
+                observer.on_step(record)
 
     def shutdown(self, graceful: bool) -> None:
         """End the workers, if any were started."""

@@ -60,15 +60,13 @@ class TorchEngine(GroupEngine):
         return f"mode {self.settings.mode}"
 
     def train(self, observers: Sequence[StepObserver]) -> None:
-        for step in range(self.settings.steps):
-            start = time.perf_counter()
-            batch, reward = self._rollouts(step)
-            for observer in observers:
-                observer.on_rollout(step)
-            results = self._train_step(batch, reward, step)
-            record = _record(step, batch, reward, results, time.perf_counter() - start)
-            for observer in observers:
-                observer.on_step(record)
+        self._train_sampled(self.task, observers, self._recorded_step)
+
+    def _recorded_step(
+        self, step: int, batch: RolloutBatch, reward: float, started: float
+    ) -> StepRecord:
+        results = self._train_step(batch, reward, step)
+        return _record(step, batch, reward, results, time.perf_counter() - started)
 
     def verify(self) -> VerifyReport:
         workers = self.workers
