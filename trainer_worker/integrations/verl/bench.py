@@ -49,7 +49,7 @@ class VerlBenchSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rounds: int = Field(
-        default=16,
+        default=32,
         ge=1,
         description="ABBA rounds after the warm-up; each runs each worker's mini-batch step twice.",
     )
