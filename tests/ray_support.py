@@ -15,14 +15,18 @@ left behind and tries again.
 
 from __future__ import annotations
 
-import gc
-import os
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import ray
+
+from lossreduce.trainer_worker.train.ray_start import (
+    LOCAL_START_ATTEMPTS as START_ATTEMPTS,
+)
+from lossreduce.trainer_worker.train.ray_start import (
+    reap_ray_processes,
+    start_timed_out,
+)
 
 __all__ = [
     "GCS_PORT_WAIT_S",
@@ -32,41 +36,8 @@ __all__ = [
     "start_timed_out",
 ]
 
-START_ATTEMPTS = 3
-"""Starts tried before a slow machine's failure is the test's failure."""
 GCS_PORT_WAIT_S = 90
 """How long a head start waits for its GCS to publish its port (Ray's default: 30 s)."""
-
-_SLOW_START = ("timed out during startup", "Timed out waiting for file")
-"""Ray's words for a raylet that missed its registration window, and for a GCS (or
-raylet) that published its port file too late."""
-
-_RAY_PACKAGE = str(Path(ray.__file__).parent) + os.sep
-"""Ray's package folder with its separator, so a sibling such as ``raydp`` does not match."""
-
-
-def reap_ray_processes() -> int:
-    """Kill and wait for every process this interpreter spawned from Ray's package; how many."""
-    reaped = 0
-    for obj in gc.get_objects():
-        # type(), not isinstance(): some heap objects warn when asked for __class__.
-        if not issubclass(type(obj), subprocess.Popen) or obj.returncode is not None:
-            continue
-        args = obj.args if isinstance(obj.args, list | tuple) else [obj.args]
-        if not any(_RAY_PACKAGE in str(arg) for arg in args):
-            continue
-        if obj.poll() is None:
-            obj.kill()
-        obj.wait()
-        reaped += 1
-    return reaped
-
-
-def start_timed_out(err: Exception) -> bool:
-    """Whether ``err`` is Ray's error for a start that was too slow (a loaded machine,
-    not a broken test): a raylet that missed its registration window, or a GCS whose
-    port file came too late."""
-    return any(words in str(err) for words in _SLOW_START)
 
 
 @contextmanager

@@ -7,7 +7,13 @@ import sys
 
 import pytest
 
-from tests.ray_support import _RAY_PACKAGE, reap_ray_processes, start_timed_out
+from lossreduce.trainer_worker.train.ray_start import (
+    RAY_PACKAGE as _RAY_PACKAGE,
+)
+from lossreduce.trainer_worker.train.ray_start import (
+    reap_ray_processes,
+    start_timed_out,
+)
 
 
 def test_reaps_processes_spawned_from_rays_package_and_spares_others() -> None:

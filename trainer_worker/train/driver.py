@@ -42,6 +42,11 @@ from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP, Engine
 from lossreduce.trainer_worker.train.engines.registry import get_engine
 from lossreduce.trainer_worker.train.outputs import RunOutputs, StepObserver, StepRecord
 from lossreduce.trainer_worker.train.placement import WorkerPlacement, create_worker_placement
+from lossreduce.trainer_worker.train.ray_start import (
+    LOCAL_START_ATTEMPTS,
+    reap_ray_processes,
+    start_timed_out,
+)
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport
 from lossreduce.trainer_worker.train.worker_group import (
@@ -68,6 +73,8 @@ class RunResult:
     records: tuple[StepRecord, ...]
     verify: VerifyReport | None
 
+
+_LOG = logging.getLogger(__name__)
 
 RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
 """How Ray's notice begins that a new local cluster turned its token authentication on
@@ -106,6 +113,31 @@ def _ray_session(settings: TrainSettings) -> Iterator[bool]:
         return
     try:
         if settings.address is None:
+            _start_local_ray(settings)
+        else:
+            # Joining a real cluster: whatever Ray says of its authentication is shown.
+            _check_reachable(settings.address)
+            ray.init(address=settings.address, logging_level="WARNING")
+    except Exception as err:
+        # Ray raises a bare Exception when a raylet misses its 30 s registration window
+        # (an overloaded machine); anything else Ray raises here is as much the run's end.
+        # What a failed start spawned is not left running.
+        ray.shutdown()
+        reap_ray_processes()
+        where = f"--address {settings.address}" if settings.address else "a local Ray cluster"
+        raise TrainingFailedError(f"cannot start or join {where}: {short_error(err)}") from err
+    try:
+        yield settings.address is None
+    finally:
+        ray.shutdown()
+
+
+def _start_local_ray(settings: TrainSettings) -> None:
+    """A local Ray cluster of this run's own; a start that was only too slow (a loaded
+    machine: a raylet that missed Ray's fixed registration window, a GCS whose port
+    came late) is torn down, its processes reaped, and tried again."""
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
             with _quiet_local_start():
                 # address="local": a cluster of this run's own, even where another Ray
                 # cluster runs on this machine (plain ray.init() would join that one).
@@ -115,21 +147,18 @@ def _ray_session(settings: TrainSettings) -> Iterator[bool]:
                     include_dashboard=False,
                     logging_level="WARNING",
                 )
-        else:
-            # Joining a real cluster: whatever Ray says of its authentication is shown.
-            _check_reachable(settings.address)
-            ray.init(address=settings.address, logging_level="WARNING")
-    except Exception as err:
-        # Ray raises a bare Exception when a raylet misses its 30 s registration window
-        # (an overloaded machine); anything else Ray raises here is as much the run's end.
-        # What a failed local start spawned is not left running.
-        ray.shutdown()
-        where = f"--address {settings.address}" if settings.address else "a local Ray cluster"
-        raise TrainingFailedError(f"cannot start or join {where}: {short_error(err)}") from err
-    try:
-        yield settings.address is None
-    finally:
-        ray.shutdown()
+            return
+        except Exception as err:  # a bare Exception (raylet) or RuntimeError (GCS)
+            ray.shutdown()
+            reap_ray_processes()
+            if attempt == LOCAL_START_ATTEMPTS or not start_timed_out(err):
+                raise
+            _LOG.warning(
+                "a local Ray start timed out (%s); trying again (%d/%d)",
+                short_error(err),
+                attempt + 1,
+                LOCAL_START_ATTEMPTS,
+            )
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

@@ -87,3 +87,53 @@ def test_a_local_start_is_a_cluster_of_its_own_beside_another_on_this_machine(
         assert other.stdin is not None
         other.stdin.close()  # its driver ends, and its cluster with it
         other.wait(timeout=60)
+
+
+def test_a_local_start_that_timed_out_is_reaped_and_tried_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ray's own timeout cannot be provoked on demand: the first start here is a real
+    start whose processes keep running, then fails with Ray's words for a raylet that
+    missed its window; the run reaps them and its second start serves."""
+    if ray.is_initialized():
+        ray.shutdown()
+    real_init = ray.init
+    calls: list[int] = []
+
+    def slow_then_real(**kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            real_init(**kwargs)  # type: ignore[arg-type]
+            raise Exception("The current node timed out during startup. This could happen ...")
+        return real_init(**kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(driver.ray, "init", slow_then_real)
+    settings = TrainSettings(workers=1, num_cpus=1, progress=False)
+    with caplog.at_level(logging.WARNING), driver._ray_session(settings):
+        assert ray.is_initialized()
+        assert ray.cluster_resources().get("CPU") == 1.0
+    assert len(calls) == 2
+    assert "a local Ray start timed out" in caplog.text
+    assert "trying again (2/3)" in caplog.text
+    assert not ray.is_initialized()
+
+
+def test_a_local_start_that_failed_otherwise_is_not_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+    calls: list[int] = []
+
+    def broken(**_: object) -> None:
+        calls.append(1)
+        raise RuntimeError("Address already in use")
+
+    monkeypatch.setattr(driver.ray, "init", broken)
+    settings = TrainSettings(workers=1, num_cpus=1, progress=False)
+    with (
+        pytest.raises(driver.TrainingFailedError, match="cannot start or join a local Ray"),
+        driver._ray_session(settings),
+    ):
+        pass
+    assert calls == [1]
