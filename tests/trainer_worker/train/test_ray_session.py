@@ -103,11 +103,11 @@ def test_a_local_start_that_timed_out_is_reaped_and_tried_again(
     def slow_then_real(**kwargs: object) -> object:
         calls.append(1)
         if len(calls) == 1:
-            real_init(**kwargs)  # type: ignore[arg-type]
+            real_init(**kwargs)
             raise Exception("The current node timed out during startup. This could happen ...")
-        return real_init(**kwargs)  # type: ignore[arg-type]
+        return real_init(**kwargs)
 
-    monkeypatch.setattr(driver.ray, "init", slow_then_real)
+    monkeypatch.setattr(ray, "init", slow_then_real)
     settings = TrainSettings(workers=1, num_cpus=1, progress=False)
     with caplog.at_level(logging.WARNING), driver._ray_session(settings):
         assert ray.is_initialized()
@@ -129,7 +129,7 @@ def test_a_local_start_that_failed_otherwise_is_not_retried(
         calls.append(1)
         raise RuntimeError("Address already in use")
 
-    monkeypatch.setattr(driver.ray, "init", broken)
+    monkeypatch.setattr(ray, "init", broken)
     settings = TrainSettings(workers=1, num_cpus=1, progress=False)
     with (
         pytest.raises(driver.TrainingFailedError, match="cannot start or join a local Ray"),
