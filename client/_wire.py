@@ -56,6 +56,8 @@ class RoundContext(RankContext):
     """Where a call happens; every error the client raises names all of it."""
 
     world_size: int
+    run: str = ""
+    """The run every request names (empty: none, as clients before runs did)."""
 
     @property
     def key(self) -> pb.RoundKey:
@@ -125,7 +127,7 @@ def build_request(
     """
     contracts = contracts or {}
     # Filled in place, as Contribution.request does: this runs on every round.
-    request = pb.ReduceRequest(rank=ctx.rank, world_size=ctx.world_size)
+    request = pb.ReduceRequest(rank=ctx.rank, world_size=ctx.world_size, run=ctx.run)
     key = request.round
     key.job, key.group, key.step = ctx.job, ctx.group, ctx.step
     add = request.partials.add
@@ -207,17 +209,16 @@ def decode_status(status: status_pb2.Status, ctx: RoundContext) -> LossReduceErr
         message = f"{where}: {message}"
     if err.rank is None:
         message = f"{message} (reported to rank {ctx.rank} of {ctx.world_size})"
-    return type(err)(
-        message,
-        job=err.job or ctx.job,
-        group=err.group or ctx.group,
-        step=ctx.step if err.step is None else err.step,
-        rank=ctx.rank if err.rank is None else err.rank,
-        terms=err.terms,
-        values=err.values,
-        ranks=err.ranks,
-        limit=err.limit,
-    )
+    # Fresh from the decoder and ours alone: completed in place, which keeps what
+    # a subclass carries beyond the common fields (a run conflict's holder).
+    err.args = (message,)
+    err.message = message
+    err.job = err.job or ctx.job
+    err.group = err.group or ctx.group
+    err.step = ctx.step if err.step is None else err.step
+    err.rank = ctx.rank if err.rank is None else err.rank
+    err.run = err.run or ctx.run
+    return err
 
 
 def unavailable_error(

@@ -25,7 +25,8 @@ Guarantees kept:
   the client's retry budget), and a decided round is answered from the
   coordinator's stored outcome.
 
-:func:`node_requests` is the pure part; :class:`NodeAggregator` the asyncio
+:func:`~lossreduce.client.aggregation.node_requests` is the pure part
+(:mod:`lossreduce.client.aggregation`); :class:`NodeAggregator` the asyncio
 shell around one upstream ``ReduceStream`` (the client's own
 :class:`~lossreduce.client._stream.ReduceStreamSession`, credentials, backoff
 and error decoding), built and opened like
@@ -38,20 +39,23 @@ client's ``reduce(step, partials, contracts)``.
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Final, Protocol
 
 from google.rpc import code_pb2
-from pydantic import Field
 
 from lossreduce.client._wire import RoundContext, decode_status, parse_response
-from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
-from lossreduce.client.settings import ClientSettings
+from lossreduce.client.aggregation import (
+    FALLBACK_INVALID,
+    FALLBACK_NODE_TIMEOUT,
+    FALLBACK_UNKNOWN_RANKS,
+    AggregatorObserver,
+    AggregatorSettings,
+    node_requests,
+)
+from lossreduce.client.local_rank import LocalRank
 from lossreduce.client.upstream import UpstreamStream, node_failure
 from lossreduce.contribution import Contribution
-from lossreduce.contribution_check import check_contribution
 from lossreduce.errors import (
     ConflictingContributionError,
     InvalidPartialError,
@@ -61,6 +65,8 @@ from lossreduce.errors import (
 )
 from lossreduce.v2 import coordinator_pb2 as pb
 
+# The pure half (what goes upstream, settings, observer) lives in .aggregation;
+# re-exported here, where callers have always imported it from.
 __all__ = [
     "FALLBACK_INVALID",
     "FALLBACK_NODE_TIMEOUT",
@@ -71,97 +77,6 @@ __all__ = [
     "NodeAggregator",
     "node_requests",
 ]
-
-FALLBACK_INVALID: Final = "invalid"
-"""A local contribution was invalid or disagreed with its peers: each went up alone."""
-FALLBACK_NODE_TIMEOUT: Final = "node_timeout"
-"""Local ranks were missing at the node's deadline: the rest went up as they came."""
-FALLBACK_UNKNOWN_RANKS: Final = "unknown_ranks"
-"""The node did not know its local ranks yet (learned from its first successful round)."""
-
-
-class AggregatorSettings(ClientSettings):
-    """How a node aggregator talks to the coordinator (as a client does) and how long
-    it waits for its own ranks."""
-
-    node_timeout_s: float = Field(
-        default=300.0,
-        gt=0,
-        description=(
-            "Seconds the node waits for all its local ranks of a round before it hands the "
-            "coordinator the ranks that arrived (and each later one as it arrives); the "
-            "coordinator's round timeout then decides the round for every node alike. Keep it "
-            "below the coordinator's round timeout, so that timeout names only the ranks "
-            "that never came."
-        ),
-    )
-
-
-class AggregatorObserver(Protocol):
-    """What a node aggregator reports as it works (the agent's metrics implement it)."""
-
-    def round_forwarded(self, job: str, group: str) -> None:
-        """A round's first contribution went upstream."""
-
-    def fell_back(self, job: str, group: str, reason: str) -> None:
-        """A round's local ranks go upstream one by one; ``reason`` is a ``FALLBACK_*``."""
-
-    def upstream_reconnected(self, job: str, group: str) -> None:
-        """The upstream stream broke and a new one was opened."""
-
-    def upstream_failed(self, job: str, group: str, code: str) -> None:
-        """Local ranks got the node's own failure to reach the coordinator (status ``code``)."""
-
-    def round_answered(self, job: str, group: str, seconds: float) -> None:
-        """Every arrived local rank of a round has its answer, ``seconds`` after the first came."""
-
-
-def node_requests(
-    key: pb.RoundKey, contributions: Sequence[Contribution]
-) -> list[pb.ReduceRequest]:
-    """What a node sends upstream for one round: one aggregated request covering
-    every local rank, or, when any contribution is invalid or disagrees with
-    the first, every rank's own request (so the coordinator names the culprit)."""
-    ordered = sorted(contributions, key=lambda c: c.rank)
-    first = ordered[0]
-    agree = all(
-        c.world_size == first.world_size
-        and c.terms == first.terms
-        and c.contracts == first.contracts
-        for c in ordered
-    )
-    distinct = len({c.rank for c in ordered}) == len(ordered)
-    # Every contribution names the first one's terms: judge those names once.
-    valid = (
-        agree
-        and distinct
-        and check_contribution(first) is None
-        and all(check_contribution(c, known_terms=first.terms) is None for c in ordered[1:])
-    )
-    if not valid:
-        return [c.request(key) for c in ordered]
-    expansions = []
-    for index in range(len(first.terms)):
-        column = [c.values[index] for c in ordered]  # [local ranks], in rank order
-        try:
-            expansions.append(exact_expansion(column))
-        except ExpansionOverflowError:
-            # The coordinator reports an overflowing normalizer for the whole round.
-            return [c.request(key) for c in ordered]
-    aggregated = Contribution(
-        rank=first.rank,
-        world_size=first.world_size,
-        terms=first.terms,
-        # The rounded sums; the expansions are what the coordinator sums.
-        values=tuple(math.fsum(e) for e in expansions),
-        contracts=first.contracts,
-        covers=tuple(c.rank for c in ordered),
-        expansions=tuple(expansions),
-        zero_ranks=tuple(
-            [sum(1 for c in ordered if c.values[i] == 0.0) for i in range(len(first.terms))]
-        ),
-    )
-    return [aggregated.request(key)]
 
 
 class _Send:
@@ -261,6 +176,7 @@ class NodeAggregator:
         world_size: int,
         settings: AggregatorSettings | None = None,
         observer: AggregatorObserver | None = None,
+        run: str = "",
     ) -> None:
         if local_ranks is not None and not local_ranks:
             raise UsageError(
@@ -278,6 +194,8 @@ class NodeAggregator:
         self.job = job
         self.group = group
         self.world_size = world_size
+        self.run = run
+        """The run its local ranks' contributions name (:meth:`local_rank`); empty: none."""
         self.settings = settings if settings is not None else AggregatorSettings()
         self._observer = observer
         self._local = None if local_ranks is None else frozenset(local_ranks)
@@ -547,41 +465,3 @@ class NodeAggregator:
             )
             state.transient.add(c.rank)
         state.notify()
-
-
-class LocalRank:
-    """One local rank of a :class:`NodeAggregator`: the rank side of
-    :class:`~lossreduce.client.AsyncReductionClient` (the same ``reduce``), over
-    the node's stream. Made by :meth:`NodeAggregator.local_rank`."""
-
-    def __init__(self, node: NodeAggregator, rank: int) -> None:
-        self.node = node
-        self.job = node.job
-        self.group = node.group
-        self.rank = rank
-        self.world_size = node.world_size
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.node!r}, rank={self.rank})"
-
-    async def reduce(
-        self,
-        step: int,
-        partials: Mapping[str, float],
-        contracts: Mapping[str, str] | None = None,
-    ) -> dict[str, float]:
-        """This rank's partials for ``step`` in, the global normalizers out (identical on
-        every rank); raises the round's :mod:`lossreduce.errors` error otherwise."""
-        terms = tuple(partials)
-        contracts = contracts or {}
-        mine = Contribution(
-            rank=self.rank,
-            world_size=self.world_size,
-            terms=terms,
-            values=tuple(map(float, partials.values())),
-            contracts=tuple([contracts.get(t, "") for t in terms]),
-        )
-        (result,) = await self.node.reduce_node(step, [mine])
-        if isinstance(result, LossReduceError):
-            raise result
-        return result

@@ -86,6 +86,7 @@ class AsyncReductionClient:
         rank: int,
         world_size: int,
         settings: ClientSettings | None = None,
+        run: str = "",
     ) -> None:
         if not 1 <= world_size <= _MAX_RANK:
             raise UsageError(
@@ -108,6 +109,7 @@ class AsyncReductionClient:
         self._group = group
         self._rank = rank
         self._world_size = world_size
+        self._run = run
         self.settings = settings if settings is not None else ClientSettings()
         self._state = ClientState.UNOPENED
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,7 +124,8 @@ class AsyncReductionClient:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.target!r}, job={self.job!r}, group={self.group!r}, "
-            f"rank={self.rank}, world_size={self.world_size}, state={self._state.value})"
+            f"rank={self.rank}, world_size={self.world_size}, run={self.run!r}, "
+            f"state={self._state.value})"
         )
 
     @property
@@ -132,6 +135,12 @@ class AsyncReductionClient:
     @property
     def group(self) -> str:
         return self._group
+
+    @property
+    def run(self) -> str:
+        """The run every request names: the same on all ranks of one launch, new for
+        every launch; empty names none (the coordinator then claims nothing for it)."""
+        return self._run
 
     @property
     def rank(self) -> int:
@@ -300,7 +309,7 @@ class AsyncReductionClient:
                 group=self.group,
                 rank=self.rank,
             )
-        return RoundContext(self.job, self.group, step, self.rank, self.world_size)
+        return RoundContext(self.job, self.group, step, self.rank, self.world_size, self.run)
 
     def _closed_while_waiting(self, step: int) -> ClientClosedError:
         return closed_error(self.job, self.group, self.rank, step, while_waiting=True)

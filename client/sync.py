@@ -56,9 +56,16 @@ class ReductionClient:
         rank: int,
         world_size: int,
         settings: ClientSettings | None = None,
+        run: str = "",
     ) -> None:
         self._client = AsyncReductionClient(
-            target, job=job, group=group, rank=rank, world_size=world_size, settings=settings
+            target,
+            job=job,
+            group=group,
+            rank=rank,
+            world_size=world_size,
+            settings=settings,
+            run=run,
         )
         self._driver = LoopDriver()
         # Orders every start of work on the loop before close()'s shutdown, so
@@ -84,6 +91,11 @@ class ReductionClient:
     @property
     def group(self) -> str:
         return self._client.group
+
+    @property
+    def run(self) -> str:
+        """See :attr:`AsyncReductionClient.run`."""
+        return self._client.run
 
     @property
     def rank(self) -> int:

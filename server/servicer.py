@@ -137,6 +137,7 @@ def round_status(rnd: Round, now: float) -> pb.RoundStatus:
             for n in rnd.partial_sums()
         ],
         age_seconds=max(0.0, now - rnd.created_at),
+        run=rnd.reference.run,
     )
     if outcome is not None and outcome.error is not None:
         status.error.CopyFrom(to_status(outcome.error))

@@ -35,6 +35,9 @@ class Contribution:
     non-overlapping expansion (``values`` holds the rounded sums)."""
     zero_ranks: tuple[int, ...] = ()
     """Aggregated only, per term: how many covered ranks sent 0."""
+    run: str = ""
+    """The run the contribution belongs to (every covered rank's); empty from a client
+    that names no run."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -58,11 +61,12 @@ class Contribution:
             covers,
             tuple([tuple(p.expansion) for p in parts]) if covers else (),
             tuple([p.zero_ranks for p in parts]) if covers else (),
+            request.run,
         )
 
     def request(self, key: pb.RoundKey) -> pb.ReduceRequest:
         """This contribution as the ``ReduceRequest`` for round ``key``."""
-        request = pb.ReduceRequest(rank=self.rank, world_size=self.world_size)
+        request = pb.ReduceRequest(rank=self.rank, world_size=self.world_size, run=self.run)
         request.round.CopyFrom(key)
         # Filled in place: building a TermPartial per term and then the request
         # from the list costs the client about twice as much per round.

@@ -14,6 +14,7 @@ and ``ErrorInfo.reason`` it travels as over gRPC; the encoding itself
     │   ├── EmptyNormalizerError          FAILED_PRECONDITION  a global normalizer is <= 0 or not finite
     │   ├── ContractMismatchError         FAILED_PRECONDITION  ranks disagree (world size, terms, contracts)
     │   ├── StaleRoundError               FAILED_PRECONDITION  step older than the retained window
+    │   ├── RunConflictError              FAILED_PRECONDITION  another run holds the job and group
     │   ├── RoundAbortedError             ABORTED  a peer failed; ``culprit_rank`` names it
     │   │   └── RoundTimeoutError         ABORTED  ranks missing at the round timeout; ``missing_ranks``
     │   ├── ConflictingContributionError  ALREADY_EXISTS  a different contribution for the same round
@@ -57,6 +58,7 @@ __all__ = [
     "ReductionInputError",
     "RoundAbortedError",
     "RoundTimeoutError",
+    "RunConflictError",
     "StaleRoundError",
     "UsageError",
     "describe_round",
@@ -68,8 +70,9 @@ __all__ = [
 class LossReduceError(Exception):
     """Base of every lossreduce error.
 
-    Attributes name where it happened: ``job``, ``group``, ``step`` and
-    ``rank``, the rank that received the error: on a client or a normalizer
+    Attributes name where it happened: ``job``, ``group``, ``step``, ``run``
+    (the run the request named; empty when none) and ``rank``, the rank that
+    received the error: on a client or a normalizer
     backend always the rank it serves (rank 0 in a single process), for a
     round's shared error too, whose culprit or missing ranks are in ``ranks``.
     ``rank`` is ``None`` only where no rank is known: a round's error as the
@@ -97,6 +100,7 @@ class LossReduceError(Exception):
         values: Sequence[float] = (),
         ranks: Sequence[int] = (),
         limit: str = "",
+        run: str = "",
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -104,6 +108,7 @@ class LossReduceError(Exception):
         self.group = group
         self.step = step
         self.rank = rank
+        self.run = run
         self.terms: tuple[str, ...] = tuple(terms)
         self.values: tuple[float, ...] = tuple(values)
         self.ranks: tuple[int, ...] = tuple(ranks)
@@ -123,6 +128,7 @@ class LossReduceError(Exception):
             "values": self.values,
             "ranks": self.ranks,
             "limit": self.limit,
+            "run": self.run,
         }
 
 
@@ -170,6 +176,52 @@ class StaleRoundError(ReductionError):
 
     code = code_pb2.FAILED_PRECONDITION
     reason = "STALE_ROUND"
+
+
+class RunConflictError(ReductionError):
+    """Another run holds the round's job and group: two launches named one job (a
+    second run of the same script, two users keeping a default job), or this run
+    was replaced by a resumed one. Refused before any answer, on every rank of the
+    refused run. ``run`` is the refused run, ``holder`` the run holding the claim
+    and ``held_since`` when it claimed it (Unix seconds); the message says what to
+    change."""
+
+    code = code_pb2.FAILED_PRECONDITION
+    reason = "RUN_CONFLICT"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        holder: str = "",
+        held_since: float | None = None,
+        job: str = "",
+        group: str = "",
+        step: int | None = None,
+        rank: int | None = None,
+        terms: Sequence[str] = (),
+        values: Sequence[float] = (),
+        ranks: Sequence[int] = (),
+        limit: str = "",
+        run: str = "",
+    ) -> None:
+        super().__init__(
+            message,
+            job=job,
+            group=group,
+            step=step,
+            rank=rank,
+            terms=terms,
+            values=values,
+            ranks=ranks,
+            limit=limit,
+            run=run,
+        )
+        self.holder = holder
+        self.held_since = held_since
+
+    def _fields(self) -> dict[str, object]:
+        return {**super()._fields(), "holder": self.holder, "held_since": self.held_since}
 
 
 class RoundAbortedError(ReductionError):

@@ -24,6 +24,7 @@ from lossreduce.errors import (
     LimitExceededError,
     LossReduceError,
     RoundAbortedError,
+    RunConflictError,
 )
 
 __all__ = ["ERROR_DOMAIN", "from_status", "to_status"]
@@ -88,6 +89,12 @@ def to_status(err: LossReduceError) -> status_pb2.Status:
         metadata["ranks"] = _LIST_SEP.join(str(r) for r in err.ranks)
     if err.limit:
         metadata["limit"] = err.limit
+    if err.run:
+        metadata["run"] = err.run
+    if isinstance(err, RunConflictError):
+        metadata["holder"] = err.holder
+        if err.held_since is not None:
+            metadata["held_since"] = _format_value(err.held_since)
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
@@ -128,7 +135,7 @@ def from_status(
         )
     cls = _BY_REASON.get(info.reason) or _BY_CODE.get(status.code, LossReduceError)
     meta: Mapping[str, str] = info.metadata
-    return cls(
+    err = cls(
         status.message,
         job=meta.get("job", job),
         group=meta.get("group", group),
@@ -138,4 +145,9 @@ def from_status(
         values=[_parse_value(v) for v in _split(meta.get("values", ""))],
         ranks=[int(r) for r in _split(meta.get("ranks", ""))],
         limit=meta.get("limit", ""),
+        run=meta.get("run", ""),
     )
+    if isinstance(err, RunConflictError):
+        err.holder = meta.get("holder", "")
+        err.held_since = _parse_value(meta["held_since"]) if "held_since" in meta else None
+    return err

@@ -66,11 +66,13 @@ def run_round(
     world_sizes: Sequence[int] | None = None,
     step: int = 1,
     group: str = "actor",
+    run: str = "",
 ) -> list[Outcome]:
     """One client per entry of ``partials``, all concurrently; one outcome each.
 
     Entry ``i`` is rank ``ranks[i]`` (default ``i``) of ``world_sizes[i]``
-    (default ``len(partials)``) sending ``contracts[i]`` (default none).
+    (default ``len(partials)``) sending ``contracts[i]`` (default none), every
+    request naming ``run`` (default none).
     """
 
     async def one(i: int) -> Outcome:
@@ -81,6 +83,7 @@ def run_round(
             rank=i if ranks is None else ranks[i],
             world_size=len(partials) if world_sizes is None else world_sizes[i],
             settings=settings,
+            run=run,
         ) as client:
             try:
                 return await client.reduce_detailed(

@@ -46,18 +46,20 @@ class TermPartial(_message.Message):
     def __init__(self, term: _Optional[str] = ..., value: _Optional[float] = ..., contract: _Optional[str] = ..., expansion: _Optional[_Iterable[float]] = ..., zero_ranks: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("round", "rank", "world_size", "partials", "covered_ranks")
+    __slots__ = ("round", "rank", "world_size", "partials", "covered_ranks", "run")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     COVERED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     round: RoundKey
     rank: int
     world_size: int
     partials: _containers.RepeatedCompositeFieldContainer[TermPartial]
     covered_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., partials: _Optional[_Iterable[_Union[TermPartial, _Mapping]]] = ..., covered_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    run: str
+    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., partials: _Optional[_Iterable[_Union[TermPartial, _Mapping]]] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., run: _Optional[str] = ...) -> None: ...
 
 class TermNormalizer(_message.Message):
     __slots__ = ("term", "value", "zero_ranks")
@@ -86,7 +88,7 @@ class GetRoundRequest(_message.Message):
     def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("round", "state", "world_size", "arrived_ranks", "missing_ranks", "partial_sums", "age_seconds", "error")
+    __slots__ = ("round", "state", "world_size", "arrived_ranks", "missing_ranks", "partial_sums", "age_seconds", "error", "run")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,7 @@ class RoundStatus(_message.Message):
     PARTIAL_SUMS_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     round: RoundKey
     state: RoundState
     world_size: int
@@ -103,7 +106,8 @@ class RoundStatus(_message.Message):
     partial_sums: _containers.RepeatedCompositeFieldContainer[TermNormalizer]
     age_seconds: float
     error: _status_pb2.Status
-    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., state: _Optional[_Union[RoundState, str]] = ..., world_size: _Optional[int] = ..., arrived_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., partial_sums: _Optional[_Iterable[_Union[TermNormalizer, _Mapping]]] = ..., age_seconds: _Optional[float] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    run: str
+    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., state: _Optional[_Union[RoundState, str]] = ..., world_size: _Optional[int] = ..., arrived_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., partial_sums: _Optional[_Iterable[_Union[TermNormalizer, _Mapping]]] = ..., age_seconds: _Optional[float] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., run: _Optional[str] = ...) -> None: ...
 
 class ListRoundsRequest(_message.Message):
     __slots__ = ("job",)
