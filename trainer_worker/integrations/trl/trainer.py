@@ -204,6 +204,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
                 settings.coordinator,
                 job=self.reduction_job,
                 group=settings.group,
+                run=self.reduction_run,
                 rank=self.accelerator.process_index,
                 world_size=self.accelerator.num_processes,
                 settings=settings.client,

@@ -44,10 +44,12 @@ def tokens(table: dict[int, list[list[int]]]) -> float:
 
 
 class Sent:
-    """Every round a client of this test sent: (job, step, partial of 'pg')."""
+    """Every round a client of this test sent: (job, step, partial of 'pg'), and the run
+    each went out under."""
 
     def __init__(self) -> None:
         self.rounds: list[tuple[str, int, float]] = []
+        self.runs: list[str] = []
 
 
 @pytest.fixture
@@ -58,6 +60,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> Sent:
     class NotingClient(ReductionClient):
         def reduce_start(self, step: int, partials: Any, contracts: Any = None) -> Any:
             record.rounds.append((self.job, step, float(partials["pg"])))
+            record.runs.append(self.run)
             return super().reduce_start(step, partials, contracts)
 
     monkeypatch.setattr(lossreduce.client, "ReductionClient", NotingClient)
@@ -117,6 +120,7 @@ def test_a_resumed_run_continues_at_trls_global_step_with_answers_of_its_own(
     assert normalizers(second) == [full, full, short, short]
     assert second.state.global_step == 4
     assert first.reduction_run != second.reduction_run
+    assert sent.runs == [first.reduction_run] * 2 + [second.reduction_run] * 2
     assert first.reduction_job == second.reduction_job == "team-resume"
 
 
