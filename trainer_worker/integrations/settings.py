@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lossreduce.client import ClientSettings
+from lossreduce.trainer_worker.integrations.run_identity import RUN_PATTERN, run_job
 from lossreduce.trainer_worker.normalizers import OnEmptyStep
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
@@ -38,7 +39,11 @@ def job_field(default: str) -> Any:
     return Field(
         default=default,
         min_length=1,
-        description="Job name the rounds and errors carry (one per training run).",
+        description=(
+            f"Job name the rounds, errors and metrics carry. Unset: '{default}-<run>', new "
+            "for every run; set (stable names on dashboards): taken as given, and the "
+            "coordinator refuses a second run claiming it while the first is active."
+        ),
     )
 
 
@@ -108,11 +113,26 @@ class ReductionSettings(BaseSettings):
     )
     job: str = job_field("lossreduce")
     group: str = group_field("policy")
+    run: str | None = Field(
+        default=None,
+        pattern=RUN_PATTERN,
+        description=(
+            "This run's identity, the same on every rank (LOSSREDUCE_RUN). Unset: torchrun's "
+            "TORCHELASTIC_RUN_ID, else a short random id rank 0 draws and shares over the "
+            "framework's process group at the first step; a new run (and a resumed one) "
+            "gets a new id."
+        ),
+    )
 
     @property
     def reduction(self) -> PolicyGradientReduction:
         """The policy-gradient reduction these settings describe."""
         return PolicyGradientReduction(self.mode, self.divisor)
+
+    def job_of(self, run: str) -> str:
+        """The job the rounds of ``run`` carry: ``job`` if it was given (argument or
+        ``LOSSREDUCE_JOB``), else the framework's default with the run appended."""
+        return run_job(self.job, run, explicit_job="job" in self.model_fields_set)
 
     @model_validator(mode="after")
     def _consistent(self) -> ReductionSettings:

@@ -58,7 +58,9 @@ from lossreduce.errors import (
     RankContext,
     ReductionConfigError,
     ReductionInputError,
+    format_terms,
 )
+from lossreduce.rules import check_partial
 from lossreduce.trainer_worker.integrations.areal.plan import (
     DISTILL_TERM,
     GROUP_KEY,
@@ -364,10 +366,17 @@ class LossReduceActorMixin:
     def _abort(
         self, normalizer: GlobalNormalizer, step: int, plan: BatchPlan, device: torch.device
     ) -> dict[str, float]:
-        """Take part in the round with NaN partials (the peers abort naming this
-        rank), then raise what is wrong with this rank's inputs."""
+        """Take part in the round with invalid partials (the peers abort naming
+        this rank), then raise what is wrong with this rank's inputs.
+
+        A partial that is already invalid (a bad ``loss_weight_fn`` value) is
+        sent as it is, so the peers' error names that value; the rest are NaN.
+        """
         poisoned = {
-            t: torch.tensor(math.nan, dtype=torch.float64, device=device) for t in plan.partials
+            t: torch.tensor(
+                v if check_partial(v) is not None else math.nan, dtype=torch.float64, device=device
+            )
+            for t, v in plan.partials.items()
         }
         try:
             normalizer.reduce(step, poisoned, plan.contracts)
@@ -375,10 +384,13 @@ class LossReduceActorMixin:
             _, rank, _ = self._data_parallel()
             settings = self.reduction_settings
             rnd = RankContext(settings.job, self._reduction_group(), step, rank)
+            terms = sorted(plan.partials)
             raise rnd.error(
                 InvalidPartialError,
-                f"cannot train on this rank's batch: {'; '.join(plan.problems)}; no rank runs "
-                "backward for this step",
-                terms=sorted(plan.partials),
+                f"cannot train on this rank's batch: {'; '.join(plan.problems)}; sent "
+                f"{format_terms(terms, [float(poisoned[t]) for t in terms])} so that no rank "
+                "runs backward for this step",
+                terms=terms,
+                values=[float(poisoned[t]) for t in terms],
             ) from answer
         raise AssertionError("a round with NaN partials returned normalizers")

@@ -15,9 +15,11 @@ this module turns it into
   docs/reduction-semantics.md over the step's responses, however AReaL cuts
   them into micro-batches and ranks;
 - the problems of this rank's inputs that would otherwise only show up as a
-  silently skipped step (a NaN advantage or log-probability at an active
-  token, a loss mask that is not 0/1, a token weight that disagrees with the
-  mask), which the actor turns into the same error on every rank.
+  silently skipped (or silently wrong) step: a NaN advantage or
+  log-probability at an active token, a loss mask that is not 0/1, a
+  ``loss_weight_fn`` value that is NaN, infinite, negative or disagrees with
+  the mask (in every mode), which the actor turns into the same error on
+  every rank before any backward.
 
 Prompt groups are the rows AReaL's rollout produced for one prompt: the
 actor numbers the trajectory dicts ``ppo_update`` receives (one per rollout
@@ -49,6 +51,7 @@ __all__ = [
     "input_problems",
     "plan_batch",
     "token_weights",
+    "weight_problems",
 ]
 
 POLICY_TERM = "pg"
@@ -105,6 +108,27 @@ def _mask_problems(mask: Tensor) -> list[str]:
     return [f"loss_mask holds {first} at {_positions(bad)}; a loss mask is 0 or 1"]
 
 
+def weight_problems(token_weight: float, counted: float) -> list[str]:
+    """Why ``loss_weight_fn``'s value for the whole batch cannot be trained on.
+
+    ``counted`` is the batch's active-token count. Every mode checks it: outside
+    ``token_mean`` the weight is not a partial, yet the engine still divides
+    each micro-batch's loss by it, so a NaN, inf or negative weight would turn
+    the step NaN (skipped silently) or flip its sign.
+    """
+    if not math.isfinite(token_weight) or token_weight < 0:
+        return [
+            f"loss_weight_fn gives {token_weight} for a batch whose loss mask holds {counted:.0f} "
+            "active tokens; a weight must be finite and >= 0"
+        ]
+    if token_weight != counted:
+        return [
+            f"loss_weight_fn gives {token_weight} for a batch whose loss mask holds {counted:.0f} "
+            "active tokens; LossReduce actors need AReaL's token-count weight"
+        ]
+    return []
+
+
 def _groups(batch: Mapping[str, Any], rows: int, mode: PolicyGradientMode) -> tuple[Tensor, str]:
     """[B] int64 group of each row, and why it could not be read (empty: it could)."""
     groups = batch.get(GROUP_KEY)
@@ -134,8 +158,9 @@ def plan_batch(
 
     ``token_weight`` is the caller's ``loss_weight_fn`` over the whole batch
     (AReaL's token count): the denominator of AReaL's own per-micro-batch
-    mean, and the ``token_mean`` partial, sent as given so that an invalid
-    one (NaN, inf, negative) is judged by the round like any partial.
+    mean, and the ``token_mean`` partial. An invalid one (NaN, inf, negative)
+    is a problem in every mode, and is sent as the ``pg`` partial in every
+    mode, so the peers' RoundAbortedError names its value too.
     """
     mask = batch["loss_mask"]  # [B, T]
     rows = int(mask.shape[0])
@@ -143,12 +168,7 @@ def plan_batch(
     active = mask != 0  # [B, T]
     problems += input_problems(batch, active)
     tokens = active.sum(-1).to("cpu", torch.float64)  # [B]: D_i
-    counted = float(tokens.sum())
-    if math.isfinite(token_weight) and token_weight >= 0 and token_weight != counted:
-        problems.append(
-            f"loss_weight_fn gives {token_weight} for a batch whose loss mask holds {counted} "
-            "active tokens; LossReduce actors need AReaL's token-count weight"
-        )
+    problems += weight_problems(token_weight, float(tokens.sum()))
     groups, why = _groups(batch, rows, reduction.mode)
     if why:
         problems.append(why)
@@ -156,8 +176,13 @@ def plan_batch(
     plan = plan_rows(
         reduction, StepRows(process=zeros, window=zeros, group=groups, tokens=tokens), 0, 1
     )
+    # An invalid weight is sent as the partial in every mode (whatever the
+    # mode's own unit), so the round names it, with its value, on every rank.
+    weight_valid = math.isfinite(token_weight) and token_weight >= 0
     pg = (
-        token_weight if reduction.mode is PolicyGradientMode.TOKEN_MEAN else plan.policy_partials[0]
+        token_weight
+        if reduction.mode is PolicyGradientMode.TOKEN_MEAN or not weight_valid
+        else plan.policy_partials[0]
     )
     partials = {POLICY_TERM: pg, ROWS_TERM: float(rows)}
     contracts = {POLICY_TERM: reduction.contract_for("mean"), ROWS_TERM: "sum:rows"}

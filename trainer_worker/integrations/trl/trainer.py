@@ -49,21 +49,28 @@ never imports TRL, only this module does.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lossreduce.errors import EmptyNormalizerError, ReductionConfigError
+from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
+from lossreduce.trainer_worker.integrations.trl.options import (
+    CLIPPED,
+    ENTROPY_TERM,
+    KL_TERM,
+    POLICY_TERM,
+    check_trl_version,
+    refuse_unsupported,
+)
+from lossreduce.trainer_worker.integrations.trl.window import MicroStep, Window, loss_mask
 from lossreduce.trainer_worker.normalizers import (
     CoordinatorNormalizer,
     GlobalNormalizer,
     LocalNormalizer,
-    NormalizerHandle,
     ReadyHandle,
     TorchDistributedNormalizer,
 )
@@ -73,7 +80,6 @@ from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
 try:
     import trl
     from accelerate.utils import DistributedType
-    from packaging.version import Version
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as err:  # pragma: no cover - exercised only without the extra
@@ -81,122 +87,12 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "lossreduce.trainer_worker.integrations.trl needs TRL: pip install 'lossreduce[trl]'"
     ) from err
 
-__all__ = [
-    "TRL_TESTED",
-    "LossReduceGRPOTrainer",
-    "check_trl_version",
-]
-
-TRL_TESTED = (Version("1.16"), Version("1.17"))
-"""TRL versions this trainer was tested with: [first, second). It relies on
-TRL internals (the ``dapo`` normalization branch, the generation buffer)."""
-
-POLICY_TERM = "pg"
-KL_TERM = "kl"
-ENTROPY_TERM = "entropy"
-
-# Per-token losses of these loss types share one formula (PPO clipping) and
-# differ only in their division, which this trainer replaces by driving TRL's
-# token-sum ("dapo") branch; cispo and vespo already end in that branch.
-_CLIPPED = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
-_TOKEN_SUM = frozenset({"cispo", "vespo"})
+__all__ = ["LossReduceGRPOTrainer"]
 
 _GROUP_KEY = "lossreduce_group"  # [B] prompt group of each row, over the whole generation batch
-_PLAN_KEY = "lossreduce_plan"  # the micro-step's _MicroStep, added after the split
-
-
-def check_trl_version(version: str) -> None:
-    """Raise ImportError unless ``version`` is in :data:`TRL_TESTED`."""
-    low, high = TRL_TESTED
-    if not low <= Version(version) < high:
-        raise ImportError(
-            f"LossReduceGRPOTrainer was tested with trl>={low},<{high}, but trl {version} is "
-            f"installed; install a tested version with pip install 'lossreduce[trl]'"
-        )
-
+_PLAN_KEY = "lossreduce_plan"  # the micro-step's MicroStep, added after the split
 
 check_trl_version(trl.__version__)
-
-
-@dataclass
-class _Window:
-    """One optimizer step's normalizer round, started when its batch was split."""
-
-    handle: NormalizerHandle
-    on_empty_step: str
-    answered: bool = False
-    normalizers: dict[str, float] | None = None
-    """The global normalizers by term once answered (None: the step is skipped)."""
-    wait_s: float = 0.0
-    """Seconds this process was blocked waiting for the answer."""
-    reported: bool = False
-    """Whether its round's timing was logged (a reused window logs no wait)."""
-
-    def resolve(self) -> dict[str, float] | None:
-        """Wait for the round (once); its normalizers, None for a skipped step, or
-        the round's error (the same on every process)."""
-        if not self.answered:
-            started = time.perf_counter()
-            try:
-                totals = self.handle.wait()
-            except EmptyNormalizerError:
-                if self.on_empty_step == "raise":
-                    raise
-                self.normalizers = None
-            else:
-                self.normalizers = {t: float(n) for t, n in totals.items()}
-            finally:
-                self.wait_s = time.perf_counter() - started
-            self.answered = True
-        return self.normalizers
-
-
-@dataclass(frozen=True)
-class _MicroStep:
-    """What one micro-step needs beyond TRL's inputs."""
-
-    window: _Window
-    weights: Tensor  # [B] float64: w_i of the micro-step's rows
-    first: bool  # the first micro-step of its optimizer step
-
-
-def _refuse_unsupported(args: Any, settings: GRPOReductionSettings) -> None:
-    """Raise :class:`ReductionConfigError` naming every GRPOConfig option this trainer
-    cannot honour exactly."""
-    problems: list[str] = []
-    loss_type = args.loss_type
-    if loss_type not in _CLIPPED | _TOKEN_SUM:
-        problems.append(
-            f"loss_type={loss_type!r}: TRL computes its per-token loss only in its per-sequence-"
-            f"mean branch, whose division cannot be replaced; use one of "
-            f"{sorted(_CLIPPED | _TOKEN_SUM)}"
-        )
-    if getattr(args, "use_liger_loss", False):
-        problems.append("use_liger_loss=True: the Liger loss computes its own normalization")
-    if args.top_entropy_quantile < 1.0:
-        problems.append(
-            f"top_entropy_quantile={args.top_entropy_quantile}: its token mask is re-drawn per "
-            "micro-step from the current entropies, so no normalizer can count it in advance"
-        )
-    if args.use_adaptive_entropy:
-        problems.append(
-            "use_adaptive_entropy=True: the adaptive coefficient is not supported; use a "
-            "fixed entropy_coef"
-        )
-    spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
-    if spg % ga != 0:
-        problems.append(
-            f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps={ga}: "
-            "an optimizer step would span two generation batches, and its normalizer would be "
-            "needed before its second half is generated"
-        )
-    if problems:
-        raise ReductionConfigError(
-            f"LossReduceGRPOTrainer (job {settings.job!r}, mode {settings.mode.value!r}) cannot "
-            f"honour: {'; '.join(problems)}",
-            job=settings.job,
-            group=settings.group,
-        )
 
 
 class _CloseClient(TrainerCallback):  # type: ignore[misc]
@@ -210,9 +106,13 @@ class _CloseClient(TrainerCallback):  # type: ignore[misc]
 class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
     """A :class:`trl.GRPOTrainer` whose loss is normalized by lossreduce.
 
-    Takes GRPOTrainer's arguments (all but the first two by keyword) plus ``reduction`` (default: read from
-    ``LOSSREDUCE_*`` variables). ``skipped_steps`` counts optimizer steps
-    skipped as empty. The coordinator client (``normalizer='coordinator'``)
+    Takes GRPOTrainer's arguments (all but the first two by keyword) plus ``reduction``
+    (default: read from ``LOSSREDUCE_*`` variables). ``reduction_run`` is this run's
+    identity (:mod:`~lossreduce.trainer_worker.integrations.run_identity`) and
+    ``reduction_job`` the job its rounds carry (``trl-grpo-<run>`` unless a job is
+    set). Each optimizer step's round is numbered by TRL's ``state.global_step``, so
+    a run resumed from a checkpoint continues where the checkpoint left off.
+    ``skipped_steps`` counts optimizer steps skipped as empty. The coordinator client (``normalizer='coordinator'``)
     is closed when training ends; after a failed ``train()`` call
     :meth:`close`.
     """
@@ -244,7 +144,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
     ) -> None:
         self.reduction_settings = reduction if reduction is not None else GRPOReductionSettings()
         if args is not None:
-            _refuse_unsupported(args, self.reduction_settings)
+            refuse_unsupported(args, self.reduction_settings)
         super().__init__(
             model,
             reward_funcs,
@@ -261,23 +161,29 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
-        _refuse_unsupported(self.args, self.reduction_settings)
+        refuse_unsupported(self.args, self.reduction_settings)
+        # Every process builds the trainer at once, inside accelerate's process group:
+        # rank 0's draw (when neither setting nor launcher names the run) is shared here.
+        self.reduction_run: str = resolve_run(
+            self.reduction_settings.run, device=self.accelerator.device
+        )
+        self.reduction_job: str = self.reduction_settings.job_of(self.reduction_run)
         if (
             self.reduction_settings.on_empty_step == "skip"
             and self.accelerator.distributed_type == DistributedType.DEEPSPEED
         ):
             raise ReductionConfigError(
-                f"LossReduceGRPOTrainer (job {self.reduction_settings.job!r}): "
-                "on_empty_step='skip' with DeepSpeed: its engine steps the optimizer even "
-                "without gradients; use on_empty_step='raise'",
-                job=self.reduction_settings.job,
+                f"LossReduceGRPOTrainer (job {self.reduction_job!r}, run "
+                f"{self.reduction_run!r}): on_empty_step='skip' with DeepSpeed: its engine "
+                "steps the optimizer even without gradients; use on_empty_step='raise'",
+                job=self.reduction_job,
                 group=self.reduction_settings.group,
             )
         self.policy_reduction: PolicyGradientReduction = self.reduction_settings.reduction
         self.skipped_steps = 0
         self._normalizer: GlobalNormalizer | None = None
         self._client: Any = None
-        self._open_windows: list[_Window] = []
+        self._open_windows: list[Window] = []
         self.add_callback(_CloseClient(self))
 
     # -- the normalizer backend ------------------------------------------------------
@@ -296,16 +202,17 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             assert settings.coordinator is not None  # the settings validator requires it
             self._client = ReductionClient(
                 settings.coordinator,
-                job=settings.job,
+                job=self.reduction_job,
                 group=settings.group,
+                run=self.reduction_run,
                 rank=self.accelerator.process_index,
                 world_size=self.accelerator.num_processes,
                 settings=settings.client,
             )
             return CoordinatorNormalizer(self._client)
         if self.accelerator.num_processes == 1:
-            return LocalNormalizer(job=settings.job, group=settings.group)
-        return TorchDistributedNormalizer(job=settings.job, group=settings.group)
+            return LocalNormalizer(job=self.reduction_job, group=settings.group)
+        return TorchDistributedNormalizer(job=self.reduction_job, group=settings.group)
 
     def close(self) -> None:
         """Close the coordinator client, if any; the next step opens a new one.
@@ -353,7 +260,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         """Reduce the normalizers of every optimizer step of a new generation batch."""
         ga = self.args.gradient_accumulation_steps
         n_windows = len(slices) // ga
-        masks = [_loss_mask(s) for s in slices]  # each [B, T]
+        masks = [loss_mask(s) for s in slices]  # each [B, T]
         local = torch.cat(
             [
                 torch.stack(
@@ -384,14 +291,14 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         ]
         offset = 0
         for i, (s, m) in enumerate(zip(slices, masks, strict=True)):
-            s[_PLAN_KEY] = _MicroStep(
+            s[_PLAN_KEY] = MicroStep(
                 window=windows[i // ga],
                 weights=plan.weights[offset : offset + m.size(0)],
                 first=i % ga == 0,
             )
             offset += m.size(0)
 
-    def _start_window(self, window: int, policy: float, tokens: float) -> _Window:
+    def _start_window(self, window: int, policy: float, tokens: float) -> Window:
         step = int(self.state.global_step) + window
         partials = {POLICY_TERM: policy}
         if self.beta != 0.0:
@@ -404,12 +311,12 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             {t: torch.tensor(v, dtype=torch.float64, device=device) for t, v in partials.items()},
             self.contracts,
         )
-        return _Window(handle, self.reduction_settings.on_empty_step)
+        return Window(handle, self.reduction_settings.on_empty_step)
 
     # -- the loss -------------------------------------------------------------------
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
-        micro: _MicroStep | None = inputs.get(_PLAN_KEY)
+        micro: MicroStep | None = inputs.get(_PLAN_KEY)
         if micro is None:
             # Evaluation batches are neither accumulated nor split: TRL's own loss.
             loss: Tensor = super()._compute_loss(model, inputs)
@@ -455,7 +362,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             else:
                 del metrics[key]
 
-    def _may_defer(self, micro: _MicroStep) -> bool:
+    def _may_defer(self, micro: MicroStep) -> bool:
         """Whether this micro-step may run its forward before its round is answered.
 
         Only the policy-gradient term may be divided after the forward (every other
@@ -497,7 +404,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         num_items = torch.tensor(n_pg * spg / ga, dtype=torch.float64, device=device)
         return num_items.clamp(min=1.0) / processes * ga / spg
 
-    def _log_window(self, window: _Window, *, overlapped: bool) -> None:
+    def _log_window(self, window: Window, *, overlapped: bool) -> None:
         metrics = self._metrics["train"]
         metrics["lossreduce/skipped"].append(float(window.normalizers is None))
         metrics["lossreduce/overlapped"].append(float(overlapped))
@@ -547,7 +454,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         saved = (self.loss_type, self.beta, self.entropy_coef)
         logged = len(self._metrics["train"].get("entropy_coef", ()))
         try:
-            if self.loss_type in _CLIPPED:
+            if self.loss_type in CLIPPED:
                 self.loss_type = "dapo"
             if normalizers is None:
                 # _may_defer admits the policy-gradient term alone.
@@ -557,7 +464,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
                 if self.beta != 0.0:
                     self.beta = saved[1] * n_pg / normalizers[KL_TERM]
                 if self._entropy_bonus_enabled:
-                    local_tokens = max(float(_loss_mask(inputs).sum()), 1.0)
+                    local_tokens = max(float(loss_mask(inputs).sum()), 1.0)
                     self.entropy_coef = (
                         saved[2] * processes * ga * local_tokens / normalizers[ENTROPY_TERM]
                     )
@@ -568,11 +475,3 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         if coef_log is not None and len(coef_log) > logged:
             coef_log[-1] = self.entropy_coef  # TRL logged the scaled coefficient
         return loss
-
-
-def _loss_mask(inputs: dict[str, Any]) -> Tensor:
-    """[B, T] the tokens whose loss counts, as TRL's loss masks them."""
-    mask: Tensor = inputs["completion_mask"]
-    if "tool_mask" in inputs:
-        mask = mask * inputs["tool_mask"]
-    return mask

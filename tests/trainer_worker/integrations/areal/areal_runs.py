@@ -52,6 +52,15 @@ VOCAB = 28
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 
 
+BAD_WEIGHTS = {
+    "inf_rank1": lambda count: count * math.inf,
+    "nan_rank1": lambda count: count * math.nan,
+    "negative_rank1": lambda count: -1.0 * count,
+    "off_rank1": lambda count: count + 1,
+}
+"""Rank 1's ``loss_weight_fn``, given AReaL's own (the active-token count)."""
+
+
 @dataclass(frozen=True)
 class Case:
     """One ``ppo_update`` call (after ``prelude`` real steps) on every rank."""
@@ -62,7 +71,10 @@ class Case:
     max_tokens: int = ONE_PER_MB
     normalizer: str = "torch"
     data: str = "base"  # base, nan_advantage, all_masked, masked_odd
-    weight: str = "count"  # count, inf_rank1 (train_batch called with that loss_weight_fn)
+    # count (AReaL's own), or a bad loss_weight_fn on rank 1: inf_rank1, nan_rank1,
+    # negative_rank1 (-1 times the count), off_rank1 (the count + 1, disagreeing with the
+    # mask); a bad one calls train_batch directly with it.
+    weight: str = "count"
     on_empty_step: str = "raise"
     optimizer: str = "sgd"  # sgd, adamw (weight decay 0.1)
     prelude: int = 0  # real steps taken before the measured one
@@ -265,7 +277,7 @@ def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
         actor.ppo_update(data)
         stats = stats_tracker.export(reset=True)
         return {k.removeprefix("ppo_actor/update/"): float(v) for k, v in stats.items()}
-    # A loss weight of inf on rank 1, everything else AReaL's own PPO update.
+    # A bad loss weight on rank 1, everything else AReaL's own PPO update.
     from areal.utils.data import concat_batch
 
     batch, _ = concat_batch(data)
@@ -275,9 +287,22 @@ def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
     actor.train()
     from areal.trainer.ppo.actor import grpo_loss_fn
 
+    if case.impl == "lossreduce":
+        # What the actor's ppo_update adds: one prompt group per trajectory dict.
+        from lossreduce.trainer_worker.integrations.areal.plan import GROUP_KEY
+
+        batch[GROUP_KEY] = torch.cat(
+            [
+                torch.full(d["attention_mask"].shape, i, dtype=torch.int64)
+                for i, d in enumerate(data)
+            ]
+        )  # [B, T]
+
     def weight(x: dict[str, Any]) -> torch.Tensor:
         count: torch.Tensor = x["loss_mask"].count_nonzero()
-        return count * math.inf if rank == 1 else count
+        if rank != 1:
+            return count
+        return BAD_WEIGHTS[case.weight](count)
 
     return dict(
         actor.train_batch(

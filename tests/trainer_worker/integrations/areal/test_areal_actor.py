@@ -17,6 +17,7 @@ actor from the same seed; one process per rank, one or two ranks
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +53,23 @@ ERRORS = [
     ]
 ]
 
+# Every mode with both backends refuses a bad loss_weight_fn on rank 1; each bad
+# kind appears once per backend.
+BAD_WEIGHT_TABLE = [
+    ("token_mean", "torch", "nan_rank1"),
+    ("seq_mean", "torch", "inf_rank1"),
+    ("prompt_mean", "torch", "negative_rank1"),
+    ("constant", "torch", "off_rank1"),
+    ("token_mean", "coordinator", "off_rank1"),
+    ("seq_mean", "coordinator", "negative_rank1"),
+    ("prompt_mean", "coordinator", "inf_rank1"),
+    ("constant", "coordinator", "nan_rank1"),
+]
+WEIGHT_ERRORS = [
+    Case(f"weight-{mode}-{normalizer}-{weight}", mode=mode, normalizer=normalizer, weight=weight)
+    for mode, normalizer, weight in BAD_WEIGHT_TABLE
+]
+
 
 def _cases(world: int, target: str) -> list[Case]:
     cases = [Case(f"{mode}-one", mode=mode) for mode in MODES]
@@ -73,7 +91,7 @@ def _cases(world: int, target: str) -> list[Case]:
             prelude=1,
         )
     )
-    cases += ERRORS
+    cases += ERRORS + WEIGHT_ERRORS
     return areal_runs.with_coordinator(cases, target)
 
 
@@ -213,10 +231,32 @@ def test_inf_on_one_rank_is_named_on_every_rank(
     (kind0, msg0), (kind1, msg1) = _errors(results, "inf")
     assert kind1 == "InvalidPartialError"
     assert "rank 1" in msg1, msg1
+    assert "loss_weight_fn gives inf" in msg1, msg1
     assert "'pg'=inf" in msg1, msg1
     assert kind0 == "RoundAbortedError"
     assert "rank 1" in msg0, msg0
     assert "'pg'=inf" in msg0, msg0
+
+
+@pytest.mark.parametrize(("mode", "normalizer", "weight"), BAD_WEIGHT_TABLE)
+def test_a_bad_weight_is_refused_in_every_mode_on_every_rank(
+    results: Callable[[int], list[dict[str, Any]]], mode: str, normalizer: str, weight: str
+) -> None:
+    (kind0, msg0), (kind1, msg1) = _errors(results, f"weight-{mode}-{normalizer}-{weight}")
+    # Rank 1's weight for its shard (groups 1, 3, 5) and what its loss mask counts.
+    count = sum(
+        int(areal_runs.group_rows(g)["loss_mask"].count_nonzero()) for g in areal_runs.SHARDS[2][1]
+    )
+    value = float(areal_runs.BAD_WEIGHTS[weight](torch.tensor(count)))
+    shown = "nan" if math.isnan(value) else repr(value)
+    assert kind1 == "InvalidPartialError", msg1
+    assert f"job 'areal-weight-{mode}-{normalizer}-{weight}'" in msg1, msg1
+    assert "step 0 rank 1" in msg1, msg1
+    assert f"loss_weight_fn gives {shown} for a batch whose loss mask holds {count} " in msg1
+    assert kind0 == "RoundAbortedError", msg0
+    assert "rank 1" in msg0, msg0
+    # The peer learns the bad value itself, or NaN for a finite weight that disagrees.
+    assert f"'pg'={shown if weight != 'off_rank1' else 'nan'}" in msg0, msg0
 
 
 def test_areal_skips_an_inf_weight_silently(results: Callable[[int], list[dict[str, Any]]]) -> None:

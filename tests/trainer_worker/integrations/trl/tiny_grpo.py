@@ -45,6 +45,12 @@ COMPLETIONS: dict[int, list[list[int]]] = {
 TRUNCATED: dict[int, list[list[int]]] = {
     p: [[2 + p + g, 3, 4, 5, 6, 7] for g in range(NUM_GENERATIONS)] for p in range(len(PROMPTS))
 }
+# The same prompts answered with each completion one token shorter (truncated ones
+# stay truncated): a second half whose token counts differ from the first's.
+SHORTER: dict[int, list[list[int]]] = {
+    p: [c[1:] if c[-1] == EOS and len(c) > 2 else c for c in gens]
+    for p, gens in COMPLETIONS.items()
+}
 REF_NOISE = 0.2
 """The reference model is the initial model plus this much seeded noise, so the
 KL term has a gradient at the first step."""
@@ -93,14 +99,19 @@ def prompt_ids(prompt: str) -> list[int]:
 
 @dataclass
 class Rollout:
-    """A ``rollout_func``: fixed completions; ``table`` is switched to make empty steps."""
+    """A ``rollout_func``: fixed completions; ``table`` is switched to make empty steps, or
+    steps with other token counts."""
 
     table: dict[int, list[list[int]]] = field(default_factory=lambda: COMPLETIONS)
     empty_from_step: int | None = None
+    shorter_from_step: int | None = None
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
         table = self.table
-        if self.empty_from_step is not None and trainer.state.global_step >= self.empty_from_step:
+        step = trainer.state.global_step
+        if self.shorter_from_step is not None and step >= self.shorter_from_step:
+            table = SHORTER
+        if self.empty_from_step is not None and step >= self.empty_from_step:
             table = TRUNCATED
         # TRL's groups are consecutive rows of the batch gathered in process order.
         first = trainer.accelerator.process_index * len(prompts)

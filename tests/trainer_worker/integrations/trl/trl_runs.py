@@ -50,7 +50,10 @@ class Case:
     max_steps: int = 1
     num_iterations: int = 1
     empty_from_step: int | None = None
+    shorter_from_step: int | None = None
     overlap: bool = True
+    job: str | None = None  # None: test-<name>; "": the trainer's default (trl-grpo-<run>)
+    save_steps: int = 0  # 0: no checkpoints
 
 
 def _config(case: Case, layout: Layout, out: Path) -> Any:
@@ -73,7 +76,8 @@ def _config(case: Case, layout: Layout, out: Path) -> Any:
         max_grad_norm=0.0,
         report_to=[],
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if case.save_steps else "no",
+        save_steps=case.save_steps or 500,
         scale_rewards="none",
         beta=case.beta,
         loss_type=case.loss_type,
@@ -92,7 +96,9 @@ def make_trainer(case: Case, layout: Layout, model_dir: Path, out: Path) -> Any:
     from lossreduce.trainer_worker.integrations.trl import LossReduceGRPOTrainer
 
     args = _config(case, layout, out)
-    rollout = tiny_grpo.Rollout(empty_from_step=case.empty_from_step)
+    rollout = tiny_grpo.Rollout(
+        empty_from_step=case.empty_from_step, shorter_from_step=case.shorter_from_step
+    )
     common: dict[str, Any] = {
         "args": args,
         "train_dataset": tiny_grpo.dataset(),
@@ -102,17 +108,17 @@ def make_trainer(case: Case, layout: Layout, model_dir: Path, out: Path) -> Any:
     if case.trainer == "trl":
         trainer = GRPOTrainer(str(model_dir), tiny_grpo.reward_func, **common)
     else:
-        settings = GRPOReductionSettings.model_validate(
-            {
-                "mode": case.mode,
-                "divisor": case.divisor,
-                "normalizer": case.normalizer,
-                "coordinator": case.coordinator,
-                "on_empty_step": case.on_empty_step,
-                "overlap": case.overlap,
-                "job": f"test-{case.name}",
-            }
-        )
+        fields: dict[str, Any] = {
+            "mode": case.mode,
+            "divisor": case.divisor,
+            "normalizer": case.normalizer,
+            "coordinator": case.coordinator,
+            "on_empty_step": case.on_empty_step,
+            "overlap": case.overlap,
+        }
+        if case.job != "":
+            fields["job"] = case.job or f"test-{case.name}"
+        settings = GRPOReductionSettings.model_validate(fields)
         trainer = LossReduceGRPOTrainer(
             str(model_dir), tiny_grpo.reward_func, reduction=settings, **common
         )

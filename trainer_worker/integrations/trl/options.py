@@ -1,0 +1,88 @@
+"""What :class:`~lossreduce.trainer_worker.integrations.trl.LossReduceGRPOTrainer` supports:
+the TRL versions it was tested with, its loss terms, and the GRPOConfig options it refuses.
+
+Imports no TRL, so the version check can run before TRL's own modules load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packaging.version import Version
+
+from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
+
+__all__ = [
+    "CLIPPED",
+    "ENTROPY_TERM",
+    "KL_TERM",
+    "POLICY_TERM",
+    "TOKEN_SUM",
+    "TRL_TESTED",
+    "check_trl_version",
+    "refuse_unsupported",
+]
+
+TRL_TESTED = (Version("1.16"), Version("1.17"))
+"""TRL versions this trainer was tested with: [first, second). It relies on
+TRL internals (the ``dapo`` normalization branch, the generation buffer)."""
+
+POLICY_TERM = "pg"
+KL_TERM = "kl"
+ENTROPY_TERM = "entropy"
+
+# Per-token losses of these loss types share one formula (PPO clipping) and
+# differ only in their division, which this trainer replaces by driving TRL's
+# token-sum ("dapo") branch; cispo and vespo already end in that branch.
+CLIPPED = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
+TOKEN_SUM = frozenset({"cispo", "vespo"})
+
+
+def check_trl_version(version: str) -> None:
+    """Raise ImportError unless ``version`` is in :data:`TRL_TESTED`."""
+    low, high = TRL_TESTED
+    if not low <= Version(version) < high:
+        raise ImportError(
+            f"LossReduceGRPOTrainer was tested with trl>={low},<{high}, but trl {version} is "
+            f"installed; install a tested version with pip install 'lossreduce[trl]'"
+        )
+
+
+def refuse_unsupported(args: Any, settings: GRPOReductionSettings) -> None:
+    """Raise :class:`ReductionConfigError` naming every GRPOConfig option this trainer
+    cannot honour exactly."""
+    problems: list[str] = []
+    loss_type = args.loss_type
+    if loss_type not in CLIPPED | TOKEN_SUM:
+        problems.append(
+            f"loss_type={loss_type!r}: TRL computes its per-token loss only in its per-sequence-"
+            f"mean branch, whose division cannot be replaced; use one of "
+            f"{sorted(CLIPPED | TOKEN_SUM)}"
+        )
+    if getattr(args, "use_liger_loss", False):
+        problems.append("use_liger_loss=True: the Liger loss computes its own normalization")
+    if args.top_entropy_quantile < 1.0:
+        problems.append(
+            f"top_entropy_quantile={args.top_entropy_quantile}: its token mask is re-drawn per "
+            "micro-step from the current entropies, so no normalizer can count it in advance"
+        )
+    if args.use_adaptive_entropy:
+        problems.append(
+            "use_adaptive_entropy=True: the adaptive coefficient is not supported; use a "
+            "fixed entropy_coef"
+        )
+    spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
+    if spg % ga != 0:
+        problems.append(
+            f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps={ga}: "
+            "an optimizer step would span two generation batches, and its normalizer would be "
+            "needed before its second half is generated"
+        )
+    if problems:
+        raise ReductionConfigError(
+            f"LossReduceGRPOTrainer (job {settings.job!r}, mode {settings.mode.value!r}) cannot "
+            f"honour: {'; '.join(problems)}",
+            job=settings.job,
+            group=settings.group,
+        )
