@@ -302,7 +302,8 @@ def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
         count: torch.Tensor = x["loss_mask"].count_nonzero()
         if rank != 1:
             return count
-        return BAD_WEIGHTS[case.weight](count)
+        bad: torch.Tensor = BAD_WEIGHTS[case.weight](count)
+        return bad
 
     return dict(
         actor.train_batch(
