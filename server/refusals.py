@@ -22,7 +22,7 @@ from lossreduce.errors import (
     describe_round,
 )
 
-from .limits import check_contract_lengths, check_group_names
+from .limits import check_contract_lengths, check_group_names, check_run_name
 from .outcomes import RoundKey, key_error
 from .run_claims import ClaimVerdict
 from .settings import CoordinatorSettings
@@ -47,12 +47,16 @@ def limit_error(
 def request_limit_error(
     s: CoordinatorSettings, key: RoundKey, c: Contribution, group: StepWindow | None
 ) -> LossReduceError | None:
-    """A request over a size limit (names, contracts, terms, world size), or None."""
+    """A request over a size limit (names, run, contracts, terms, world size), or None."""
     if group is None:
         # A group's job and group names were judged when it was opened.
         named = check_group_names(key, c.rank, max_name_length=s.max_name_length)
         if named is not None:
             return named
+    if c.run:
+        bad_run = check_run_name(key, c.rank, c.run, max_name_length=s.max_name_length)
+        if bad_run is not None:
+            return bad_run
     if group is None or c.contracts != group.judged_contracts:
         long_contract = check_contract_lengths(
             key, c.rank, c.terms, c.contracts, max_contract_length=s.max_contract_length

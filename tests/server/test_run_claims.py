@@ -147,3 +147,13 @@ def test_the_claim_goes_with_the_idle_group() -> None:
     assert table.holder(JOB, GROUP) is None
     fresh = table.contribute(key, Contribution(0, 1, ("pg",), (2.0,), ("",), run="b"), now=11.0)
     assert fresh.error is None
+
+
+def test_a_run_id_is_bounded_and_printable_like_a_job_name() -> None:
+    table = RoundTable(CoordinatorSettings(max_name_length=16))
+    key = RoundKey(JOB, GROUP, 0)
+    for bad in ("r" * 17, "run\n1"):
+        refused = table.contribute(key, Contribution(0, 1, ("pg",), (1.0,), ("",), run=bad), 0.0)
+        assert refused.error is not None
+        assert refused.error.limit == "max_name_length"
+    assert table.holder(JOB, GROUP) is None
