@@ -157,3 +157,21 @@ def test_a_run_id_is_bounded_and_printable_like_a_job_name() -> None:
         assert refused.error is not None
         assert refused.error.limit == "max_name_length"
     assert table.holder(JOB, GROUP) is None
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 6), st.integers(0, 1)),
+        max_size=40,
+    )
+)
+def test_no_round_ever_counts_two_runs(events: list[tuple[str, int, int]]) -> None:
+    """Whatever order runs' ranks arrive in, every round's contributions, and so its
+    answer, are one run's."""
+    table = RoundTable(CoordinatorSettings(), wall_clock=lambda: 0.0)
+    for t, (run, step, rank) in enumerate(events):
+        value = float(ord(run) * 100 + step)
+        table.contribute(RoundKey(JOB, GROUP, step), contribution(rank, run, value), float(t))
+    for rnd in table.rounds(JOB):
+        runs = {c.run for c in rnd.contributions if c is not None}
+        assert len(runs) <= 1, (rnd.key, runs)
