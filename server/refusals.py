@@ -146,7 +146,14 @@ def run_conflict_error(
         f"run {verdict.holder!r} holds job {key.job!r} group {key.group!r} since "
         f"{_utc(verdict.since)} ({age:.0f} s ago; its newest step is {verdict.newest_step})"
     )
-    if verdict.replaced:
+    if verdict.run == verdict.holder:
+        detail = (
+            f"run {verdict.run!r} holds job {key.job!r} group {key.group!r} since "
+            f"{_utc(verdict.since)} ({age:.0f} s ago), taken over from a replaced run whose "
+            f"newest step was {verdict.floor}; steps up to {verdict.floor} are that run's, so "
+            f"this run must continue past step {verdict.floor}"
+        )
+    elif verdict.replaced:
         detail = (
             f"run {verdict.run!r} was replaced: {held}, a run resumed past this run's steps. "
             "Stop this run; the resumed one continues the job"

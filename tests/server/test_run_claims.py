@@ -96,22 +96,35 @@ def test_only_a_run_past_every_step_of_the_holder_ever_takes_a_group(
 ) -> None:
     claims = RunClaims()
     holder: str | None = None
-    newest = -1
+    newest = floor = -1
+    replaced: set[str] = set()
     for t, (run, step) in enumerate(events):
         verdict = claims.admit(JOB, GROUP, run, step, now=t, wall=t)
         if not run:
             assert verdict is None
-        elif holder is None or run == holder:
+        elif holder is None:
             assert verdict is None
-            holder, newest = run, max(newest, step) if run == holder else step
-        elif verdict is None:
-            # A takeover: strictly past everything the previous holder contributed.
-            assert step > newest
             holder, newest = run, step
+        elif run == holder:
+            # The holder, except on the steps of the runs it replaced.
+            assert (verdict is None) == (step > floor)
+            if verdict is None:
+                newest = max(newest, step)
+        elif run in replaced or step <= newest:
+            assert verdict is not None
+            assert (verdict.holder, verdict.replaced) == (holder, run in replaced)
         else:
-            assert verdict.holder == holder
+            # A takeover: strictly past everything the previous holder contributed.
+            assert verdict is None
+            replaced.add(holder)
+            replaced.discard(run)
+            holder, floor, newest = run, newest, step
         claim = claims.holder(JOB, GROUP)
-        assert (claim.run, claim.newest_step) == (holder, newest) if claim else holder is None
+        if holder is None:
+            assert claim is None
+        else:
+            assert claim is not None
+            assert (claim.run, claim.newest_step, claim.floor) == (holder, newest, floor)
 
 
 def contribution(rank: int, run: str, value: float = 1.0) -> Contribution:
