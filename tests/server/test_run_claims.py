@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossreduce.errors import RunConflictError
@@ -90,6 +90,8 @@ def test_restored_claims_start_their_idle_time_at_the_first_sweep() -> None:
     assert claims.expire(1e6 + 10, 10.0, groups=set()) == [(JOB, GROUP)]
 
 
+# Pure and fast examples: on a loaded machine a deadline would only flake.
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["", "a", "b", "c"]), st.integers(0, 20)), max_size=40))
 def test_only_a_run_past_every_step_of_the_holder_ever_takes_a_group(
     events: list[tuple[str, int]],
@@ -172,6 +174,7 @@ def test_a_run_id_is_bounded_and_printable_like_a_job_name() -> None:
     assert table.holder(JOB, GROUP) is None
 
 
+@settings(deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 6), st.integers(0, 1)),
