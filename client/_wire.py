@@ -209,6 +209,9 @@ def decode_status(status: status_pb2.Status, ctx: RoundContext) -> LossReduceErr
         message = f"{where}: {message}"
     if err.rank is None:
         message = f"{message} (reported to rank {ctx.rank} of {ctx.world_size})"
+    if ctx.run and f"run {ctx.run!r}" not in message:
+        # With many runs on one coordinator, which launch failed matters as much as where.
+        message = f"{message} [run {ctx.run!r}]"
     # Fresh from the decoder and ours alone: completed in place, which keeps what
     # a subclass carries beyond the common fields (a run conflict's holder).
     err.args = (message,)

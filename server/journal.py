@@ -91,6 +91,7 @@ CREATE TABLE IF NOT EXISTS claims (
     run TEXT NOT NULL,
     since REAL NOT NULL,
     step INTEGER NOT NULL,
+    floor INTEGER NOT NULL,
     written_at REAL NOT NULL,
     PRIMARY KEY (job, grp)
 ) WITHOUT ROWID;
@@ -263,12 +264,15 @@ class RoundJournal:
                     # Retention is housekeeping: a failed pass retries at the next one.
                     _log.exception("round journal %s: retention pass failed", self.path)
 
-    def put_claim(self, job: str, group: str, run: str, since: float, step: int) -> None:
-        """Keep ``run`` (claimed at ``since``, first step ``step``) as the group's holder."""
+    def put_claim(
+        self, job: str, group: str, *, run: str, since: float, step: int, floor: int
+    ) -> None:
+        """Keep ``run`` (claimed at ``since``, first step ``step``; steps up to ``floor``,
+        -1 for none, are the runs it replaced) as the group's holder."""
         self._execute(
-            "INSERT OR REPLACE INTO claims (job, grp, run, since, step, written_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (job, group, run, since, step - _STEP_OFFSET, time.time()),
+            "INSERT OR REPLACE INTO claims (job, grp, run, since, step, floor, written_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (job, group, run, since, step - _STEP_OFFSET, floor, time.time()),
             f"the claim of run {run!r} on job {job!r} group {group!r}",
         )
 
@@ -291,20 +295,22 @@ class RoundJournal:
 
     # -- reads -----------------------------------------------------------
 
-    def claims(self) -> list[tuple[str, str, str, float, int]]:
-        """Every kept claim as ``(job, group, run, since, newest_step)``; the newest step
-        is the later of the claim's first step and the group's newest journaled round."""
+    def claims(self) -> list[tuple[str, str, str, float, int, int]]:
+        """Every kept claim as ``(job, group, run, since, newest_step, floor)``; the newest
+        step is the later of the claim's first step and the group's newest journaled round."""
         with self._lock:
             rows = (
                 self._require_open()
                 .execute(
                     "SELECT c.job, c.grp, c.run, c.since, MAX(c.step, "
                     "COALESCE((SELECT MAX(r.step) FROM rounds r "
-                    "WHERE r.job = c.job AND r.grp = c.grp), c.step)) FROM claims c"
+                    "WHERE r.job = c.job AND r.grp = c.grp), c.step)), c.floor FROM claims c"
                 )
                 .fetchall()
             )
-        return [(j, g, run, since, step + _STEP_OFFSET) for j, g, run, since, step in rows]
+        return [
+            (j, g, run, since, step + _STEP_OFFSET, floor) for j, g, run, since, step, floor in rows
+        ]
 
     def lookup(self, job: str, group: str, step: int) -> bytes | None:
         """The payload of a round finished before this journal was opened, or None.

@@ -168,7 +168,12 @@ class JournalOutcomeStore:
         claim still holds in memory, only not across a restart)."""
         try:
             self.journal.put_claim(
-                record.job, record.group, record.run, record.since, record.newest_step
+                record.job,
+                record.group,
+                run=record.run,
+                since=record.since,
+                step=record.newest_step,
+                floor=record.floor,
             )
         except JournalError as exc:
             self.failed_writes += 1

@@ -22,7 +22,7 @@ from lossreduce.errors import (
     describe_round,
 )
 
-from .limits import check_contract_lengths, check_group_names
+from .limits import check_contract_lengths, check_group_names, check_run_name
 from .outcomes import RoundKey, key_error
 from .run_claims import ClaimVerdict
 from .settings import CoordinatorSettings
@@ -47,12 +47,16 @@ def limit_error(
 def request_limit_error(
     s: CoordinatorSettings, key: RoundKey, c: Contribution, group: StepWindow | None
 ) -> LossReduceError | None:
-    """A request over a size limit (names, contracts, terms, world size), or None."""
+    """A request over a size limit (names, run, contracts, terms, world size), or None."""
     if group is None:
         # A group's job and group names were judged when it was opened.
         named = check_group_names(key, c.rank, max_name_length=s.max_name_length)
         if named is not None:
             return named
+    if c.run:
+        bad_run = check_run_name(key, c.rank, c.run, max_name_length=s.max_name_length)
+        if bad_run is not None:
+            return bad_run
     if group is None or c.contracts != group.judged_contracts:
         long_contract = check_contract_lengths(
             key, c.rank, c.terms, c.contracts, max_contract_length=s.max_contract_length
@@ -142,7 +146,14 @@ def run_conflict_error(
         f"run {verdict.holder!r} holds job {key.job!r} group {key.group!r} since "
         f"{_utc(verdict.since)} ({age:.0f} s ago; its newest step is {verdict.newest_step})"
     )
-    if verdict.replaced:
+    if verdict.run == verdict.holder:
+        detail = (
+            f"run {verdict.run!r} holds job {key.job!r} group {key.group!r} since "
+            f"{_utc(verdict.since)} ({age:.0f} s ago), taken over from a replaced run whose "
+            f"newest step was {verdict.floor}; steps up to {verdict.floor} are that run's, so "
+            f"this run must continue past step {verdict.floor}"
+        )
+    elif verdict.replaced:
         detail = (
             f"run {verdict.run!r} was replaced: {held}, a run resumed past this run's steps. "
             "Stop this run; the resumed one continues the job"

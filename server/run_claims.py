@@ -19,7 +19,10 @@ The rules, in order:
 - A run the group's holder replaced: refused, saying it was replaced.
 - Another run whose step is past the newest step the holder ever contributed:
   a run resumed from a checkpoint continuing at its global step. It takes the
-  claim over; the old holder is remembered as replaced.
+  claim over; the old holder is remembered as replaced, and the steps up to
+  that newest step stay the replaced runs' (the claim's ``floor``): the new
+  holder sending one of them is refused too, or it would join a replaced
+  run's round or receive its answer.
 - Another run at or below that step: a collision, refused.
 
 A claim lives as long as its group: the round table drops it when it forgets
@@ -59,6 +62,8 @@ class ClaimRecord:
     """When the run claimed the group (Unix seconds)."""
     newest_step: int
     """The newest step the run contributed when the record was written."""
+    floor: int = -1
+    """Steps up to this one are replaced runs' (-1: the run claimed a free group)."""
 
 
 @dataclass(slots=True)
@@ -75,6 +80,8 @@ class Claim:
     from the journal until the table's next sweep starts its idle time."""
     replaced: OrderedDict[str, tuple[str, float]]
     """Runs this group's claim was taken from: run -> (the run that took it, when)."""
+    floor: int = -1
+    """Steps up to this one are the replaced runs' own: refused to the holder too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +94,9 @@ class ClaimVerdict:
     newest_step: int
     replaced: bool
     """``run`` held the group until ``holder`` (a resumed run) took it over."""
+    floor: int = -1
+    """Set when ``run`` holds the group itself but sent a step at or below this one,
+    the newest step of the run it replaced."""
 
 
 class RunClaims:
@@ -121,6 +131,10 @@ class RunClaims:
             self.changed.append(ClaimRecord(job, group, run, wall, step))
             return None
         if claim.run == run:
+            if step <= claim.floor:
+                return ClaimVerdict(
+                    run, run, claim.since, claim.newest_step, replaced=False, floor=claim.floor
+                )
             claim.last_seen = now
             claim.newest_step = max(claim.newest_step, step)
             return None
@@ -133,8 +147,9 @@ class RunClaims:
         while len(claim.replaced) > MAX_REPLACED_RUNS:
             claim.replaced.popitem(last=False)
         claim.replaced.pop(run, None)
+        claim.floor = claim.newest_step
         claim.run, claim.since, claim.newest_step, claim.last_seen = run, wall, step, now
-        self.changed.append(ClaimRecord(job, group, run, wall, step))
+        self.changed.append(ClaimRecord(job, group, run, wall, step, claim.floor))
         return None
 
     def forget(self, job: str, group: str) -> bool:
@@ -160,13 +175,13 @@ class RunClaims:
         """Claims read back from the journal after a restart (idle from the next sweep)."""
         for r in records:
             self._claims[(r.job, r.group)] = Claim(
-                r.run, r.since, r.newest_step, None, OrderedDict()
+                r.run, r.since, r.newest_step, None, OrderedDict(), r.floor
             )
 
     def records(self) -> list[ClaimRecord]:
         """Every claim as the journal keeps it."""
         return [
-            ClaimRecord(job, group, c.run, c.since, c.newest_step)
+            ClaimRecord(job, group, c.run, c.since, c.newest_step, c.floor)
             for (job, group), c in self._claims.items()
         ]
 

@@ -10,6 +10,7 @@ import grpc
 from lossreduce.client import ClientSettings, ReductionClient, RoundResult
 from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator, node_requests
 from lossreduce.contribution import Contribution
+from lossreduce.errors import EmptyNormalizerError
 from lossreduce.server import CoordinatorThread
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
@@ -101,3 +102,13 @@ def test_a_node_aggregator_sends_its_run_for_its_local_ranks(
 
     assert asyncio.run(main()) == [{"pg": 3.0}, {"pg": 3.0}]
     assert round_run(coordinator.target, "job-n", "actor", 5) == "run-n"
+
+
+def test_a_round_error_names_the_run(
+    reduce_round: RoundRunner, client_settings: ClientSettings
+) -> None:
+    outcomes = reduce_round("job-e", [{"pg": 0.0}, {"pg": 0.0}], run="run-e", step=2)
+    for outcome in outcomes:
+        assert isinstance(outcome, EmptyNormalizerError), outcome
+        assert outcome.run == "run-e"
+        assert str(outcome).endswith("[run 'run-e']"), str(outcome)

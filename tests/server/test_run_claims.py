@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossreduce.errors import RunConflictError
@@ -90,28 +90,43 @@ def test_restored_claims_start_their_idle_time_at_the_first_sweep() -> None:
     assert claims.expire(1e6 + 10, 10.0, groups=set()) == [(JOB, GROUP)]
 
 
+# Pure and fast examples: on a loaded machine a deadline would only flake.
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["", "a", "b", "c"]), st.integers(0, 20)), max_size=40))
 def test_only_a_run_past_every_step_of_the_holder_ever_takes_a_group(
     events: list[tuple[str, int]],
 ) -> None:
     claims = RunClaims()
     holder: str | None = None
-    newest = -1
+    newest = floor = -1
+    replaced: set[str] = set()
     for t, (run, step) in enumerate(events):
         verdict = claims.admit(JOB, GROUP, run, step, now=t, wall=t)
         if not run:
             assert verdict is None
-        elif holder is None or run == holder:
+        elif holder is None:
             assert verdict is None
-            holder, newest = run, max(newest, step) if run == holder else step
-        elif verdict is None:
-            # A takeover: strictly past everything the previous holder contributed.
-            assert step > newest
             holder, newest = run, step
+        elif run == holder:
+            # The holder, except on the steps of the runs it replaced.
+            assert (verdict is None) == (step > floor)
+            if verdict is None:
+                newest = max(newest, step)
+        elif run in replaced or step <= newest:
+            assert verdict is not None
+            assert (verdict.holder, verdict.replaced) == (holder, run in replaced)
         else:
-            assert verdict.holder == holder
+            # A takeover: strictly past everything the previous holder contributed.
+            assert verdict is None
+            replaced.add(holder)
+            replaced.discard(run)
+            holder, floor, newest = run, newest, step
         claim = claims.holder(JOB, GROUP)
-        assert (claim.run, claim.newest_step) == (holder, newest) if claim else holder is None
+        if holder is None:
+            assert claim is None
+        else:
+            assert claim is not None
+            assert (claim.run, claim.newest_step, claim.floor) == (holder, newest, floor)
 
 
 def contribution(rank: int, run: str, value: float = 1.0) -> Contribution:
@@ -147,3 +162,32 @@ def test_the_claim_goes_with_the_idle_group() -> None:
     assert table.holder(JOB, GROUP) is None
     fresh = table.contribute(key, Contribution(0, 1, ("pg",), (2.0,), ("",), run="b"), now=11.0)
     assert fresh.error is None
+
+
+def test_a_run_id_is_bounded_and_printable_like_a_job_name() -> None:
+    table = RoundTable(CoordinatorSettings(max_name_length=16))
+    key = RoundKey(JOB, GROUP, 0)
+    for bad in ("r" * 17, "run\n1"):
+        refused = table.contribute(key, Contribution(0, 1, ("pg",), (1.0,), ("",), run=bad), 0.0)
+        assert refused.error is not None
+        assert refused.error.limit == "max_name_length"
+    assert table.holder(JOB, GROUP) is None
+
+
+@settings(deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 6), st.integers(0, 1)),
+        max_size=40,
+    )
+)
+def test_no_round_ever_counts_two_runs(events: list[tuple[str, int, int]]) -> None:
+    """Whatever order runs' ranks arrive in, every round's contributions, and so its
+    answer, are one run's."""
+    table = RoundTable(CoordinatorSettings(), wall_clock=lambda: 0.0)
+    for t, (run, step, rank) in enumerate(events):
+        value = float(ord(run) * 100 + step)
+        table.contribute(RoundKey(JOB, GROUP, step), contribution(rank, run, value), float(t))
+    for rnd in table.rounds(JOB):
+        runs = {c.run for c in rnd.contributions if c is not None}
+        assert len(runs) <= 1, (rnd.key, runs)

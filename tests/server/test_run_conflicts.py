@@ -80,6 +80,12 @@ def test_a_run_resumed_past_the_holders_steps_takes_over_and_the_old_run_is_refu
 
     resumed = ranks.round(sends("resumed", 3, 1.0), "stream")
     assert normalizers(resumed) == [{"pg": (10.0, 0)}] * WORLD
+    # The resumed run itself may not reach back into the replaced run's steps.
+    behind = ranks.round(sends("resumed", 2, 1.0), "unary")
+    for received in behind:
+        err = received.error
+        assert isinstance(err, RunConflictError)
+        assert "must continue past step 2" in str(err), str(err)
     old = ranks.round(sends("run-1", 4, 1.0), "unary")
     for received in old:
         err = received.error
