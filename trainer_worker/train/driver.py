@@ -256,9 +256,11 @@ def _describe_run(
 ) -> str:
     """The run's first line: who trains where, and how the normalizers travel
     (the engine adds what is its own)."""
+    # A default job already ends in the run; a given one does not show it.
+    run = "" if job.endswith(f"-{settings.run}") else f" (run {settings.run})"
     nodes = len({s.node_id for s in placement.slots})
     line = (
-        f"lossreduce train --engine {settings.engine}: job {job!r} (run {settings.run}), "
+        f"lossreduce train --engine {settings.engine}: job {job!r}{run}, "
         f"{settings.workers} workers "
         f"({'GPU' if placement.use_gpu else 'CPU'}, {settings.placement}, "
         f"{nodes} node{'s' if nodes > 1 else ''}), normalizer {settings.normalizer}"
@@ -315,7 +317,7 @@ def run(
     # (and ranks Ray restarts) reduce under the same run.
     run_id = settings.run or draw_run()
     settings = settings.model_copy(update={"run": run_id})
-    job = settings.job or f"train-{now.strftime('%Y%m%d-%H%M%S')}-{run_id}"
+    job = settings.job or f"train-{run_id}"
     out_dir = settings.out or default_out_dir(now)
     engine = _build_engine(settings, job, out_dir)
     with _ray_session(settings) as started_local:

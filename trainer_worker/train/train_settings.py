@@ -98,7 +98,7 @@ class TrainSettings(BaseModel):
         default=None,
         pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
         description="Job name for coordinator rounds and metrics (default: "
-        "train-<timestamp>-<run>, new for every run). A given job is kept as is; a coordinator "
+        "train-<run>, new for every run). A given job is kept as is; a coordinator "
         "shared by many runs then refuses a second run claiming it while the first is active.",
     )
     run: str | None = Field(
