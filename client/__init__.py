@@ -37,6 +37,7 @@ from lossreduce.errors import (
     ReductionError,
     RoundAbortedError,
     RoundTimeoutError,
+    RunConflictError,
     StaleRoundError,
     UsageError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "RoundAbortedError",
     "RoundResult",
     "RoundTimeoutError",
+    "RunConflictError",
     "StaleRoundError",
     "UsageError",
     "channel_options",

@@ -31,7 +31,7 @@ _STATE_NAMES = {
     pb.ROUND_STATE_FAILED: "failed",
     pb.ROUND_STATE_UNKNOWN: "unknown",
 }
-_COLUMNS = ("JOB", "GROUP", "STEP", "STATE", "ARRIVED", "MISSING RANKS", "AGE", "ERROR")
+_COLUMNS = ("JOB", "GROUP", "RUN", "STEP", "STATE", "ARRIVED", "MISSING RANKS", "AGE", "ERROR")
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
@@ -51,6 +51,7 @@ def _row(status: pb.RoundStatus) -> tuple[str, ...]:
     return (
         status.round.job,
         status.round.group,
+        status.run or "-",
         str(status.round.step),
         _STATE_NAMES.get(status.state, "?"),
         f"{arrived}/{status.world_size}" if status.world_size else "-",

@@ -4,8 +4,11 @@
   gRPC in it; :class:`Outcome` and friends (``outcomes``) are what it answers.
   Its parts: ``validation`` (a contribution alone and against its round's
   contract), ``summation`` (exact sums, aggregates' expansions included),
-  ``records`` (what a restarted coordinator keeps of a round) and
-  ``step_window`` (a group's live and finished rounds, and its stale steps).
+  ``records`` (what a restarted coordinator keeps of a round),
+  ``step_window`` (a group's live and finished rounds, and its stale steps),
+  ``rounds`` (a round and an admission), ``refusals`` (why a request is
+  refused before any round) and ``run_claims`` (which run holds each job and
+  group).
 - ``servicer`` maps the v2 protos onto table calls; ``metrics`` observes the
   table for Prometheus; ``app`` runs it all (:func:`serve`,
   :class:`CoordinatorThread`); ``cli`` is ``lossreduce serve`` (``lossreduce

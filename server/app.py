@@ -149,7 +149,9 @@ async def start(
     # Tokens, TLS, the binding rule and the journal (server/hardening.py).
     hardening = harden(settings, store=store)
     metrics = CoordinatorMetrics()
-    table = RoundTable(settings, observer=metrics, store=hardening.store)
+    table = RoundTable(
+        settings, observer=metrics, store=hardening.store, claim_store=hardening.claim_store
+    )
     servicer = CoordinatorServicer(table, metrics, timeout_s=settings.round_timeout_s)
     server = grpc.aio.server(
         interceptors=[*hardening.interceptors, *interceptors], options=_server_options(settings)

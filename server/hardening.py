@@ -20,6 +20,7 @@ from .auth import BearerTokenInterceptor, TokenFileError, load_tokens
 from .journal import JournalError, JournalSettings, RoundJournal
 from .journal_store import JournalOutcomeStore
 from .outcomes import OutcomeStore
+from .run_claims import ClaimStore
 from .security import (
     InsecureBindingError,
     TlsConfigError,
@@ -51,6 +52,8 @@ class Hardening:
     credentials: grpc.ServerCredentials | None = None
     store: OutcomeStore | None = None
     journal: RoundJournal | None = field(default=None)
+    claim_store: ClaimStore | None = None
+    """The journal's claims, so a restarted coordinator knows which run holds each group."""
 
     def close(self) -> None:
         if self.journal is not None:
@@ -92,7 +95,7 @@ def harden(settings: CoordinatorSettings, *, store: OutcomeStore | None = None) 
             )
         ).open()
         hardening.journal = journal
-        hardening.store = JournalOutcomeStore(journal)
+        hardening.store = hardening.claim_store = JournalOutcomeStore(journal)
     _log.info(
         "coordinator protection: %s, %s, journal %s",
         "no token" if registry is None else f"{len(registry)} bearer tokens",

@@ -38,6 +38,12 @@ Design:
 - Retention: every ``compact_every`` writes, one pass deletes rounds beyond the newest
   ``retain_rounds_per_group`` steps of each group and rounds older than
   ``retain_seconds``, so the file stays bounded however long the job runs.
+- Claims: one row per ``(job, group)`` names the run holding it
+  (:mod:`lossreduce.server.run_claims`), written when a run claims or takes over
+  a group and deleted when the claim expires, so a restarted coordinator still
+  refuses a colliding run. The retention pass also deletes a claim older than
+  ``retain_seconds`` whose group has no round left: at most one row per group
+  with rounds, plus the claims of the last ``retain_seconds``.
 """
 
 from __future__ import annotations
@@ -79,6 +85,15 @@ CREATE TABLE IF NOT EXISTS rounds (
     PRIMARY KEY (job, grp, step)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS rounds_by_time ON rounds (finished_at);
+CREATE TABLE IF NOT EXISTS claims (
+    job TEXT NOT NULL,
+    grp TEXT NOT NULL,
+    run TEXT NOT NULL,
+    since REAL NOT NULL,
+    step INTEGER NOT NULL,
+    written_at REAL NOT NULL,
+    PRIMARY KEY (job, grp)
+) WITHOUT ROWID;
 """
 
 
@@ -248,7 +263,48 @@ class RoundJournal:
                     # Retention is housekeeping: a failed pass retries at the next one.
                     _log.exception("round journal %s: retention pass failed", self.path)
 
+    def put_claim(self, job: str, group: str, run: str, since: float, step: int) -> None:
+        """Keep ``run`` (claimed at ``since``, first step ``step``) as the group's holder."""
+        self._execute(
+            "INSERT OR REPLACE INTO claims (job, grp, run, since, step, written_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (job, group, run, since, step - _STEP_OFFSET, time.time()),
+            f"the claim of run {run!r} on job {job!r} group {group!r}",
+        )
+
+    def drop_claim(self, job: str, group: str) -> None:
+        """Forget the group's holder (its claim expired)."""
+        self._execute(
+            "DELETE FROM claims WHERE job = ? AND grp = ?",
+            (job, group),
+            f"the end of the claim on job {job!r} group {group!r}",
+        )
+
+    def _execute(self, sql: str, args: tuple[object, ...], what: str) -> None:
+        with self._lock:
+            try:
+                self._require_open().execute(sql, args)
+            except sqlite3.Error as exc:
+                raise JournalError(
+                    f"cannot write {what} to the round journal {str(self.path)!r}: {exc}"
+                ) from exc
+
     # -- reads -----------------------------------------------------------
+
+    def claims(self) -> list[tuple[str, str, str, float, int]]:
+        """Every kept claim as ``(job, group, run, since, newest_step)``; the newest step
+        is the later of the claim's first step and the group's newest journaled round."""
+        with self._lock:
+            rows = (
+                self._require_open()
+                .execute(
+                    "SELECT c.job, c.grp, c.run, c.since, MAX(c.step, "
+                    "COALESCE((SELECT MAX(r.step) FROM rounds r "
+                    "WHERE r.job = c.job AND r.grp = c.grp), c.step)) FROM claims c"
+                )
+                .fetchall()
+            )
+        return [(j, g, run, since, step + _STEP_OFFSET) for j, g, run, since, step in rows]
 
     def lookup(self, job: str, group: str, step: int) -> bytes | None:
         """The payload of a round finished before this journal was opened, or None.
@@ -327,6 +383,11 @@ class RoundJournal:
         try:
             conn.execute(
                 "DELETE FROM rounds WHERE finished_at < ?", (now - self.settings.retain_seconds,)
+            )
+            conn.execute(
+                "DELETE FROM claims WHERE written_at < ? AND NOT EXISTS (SELECT 1 FROM rounds r "
+                "WHERE r.job = claims.job AND r.grp = claims.grp)",
+                (now - self.settings.retain_seconds,),
             )
             for job, grp in groups:
                 # The step of the oldest round to keep; everything older goes.

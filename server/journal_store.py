@@ -27,6 +27,7 @@ from lossreduce.status_codec import from_status, to_status
 
 from .journal import JournalError, JournalRecord, RoundJournal
 from .outcomes import DIGEST_SIZE, Outcome, OutcomeKind, RoundKey, RoundRecord, TermNormalizerValue
+from .run_claims import ClaimRecord
 
 __all__ = ["JournalOutcomeStore", "decode_outcome", "encode_outcome"]
 
@@ -159,3 +160,28 @@ class JournalOutcomeStore:
         """The journaled outcome of a round finished before this coordinator started."""
         payload = self.journal.lookup(key.job, key.group, key.step)
         return None if payload is None else decode_outcome(key, payload)
+
+    # -- ClaimStore (lossreduce.server.run_claims) ---------------------------------
+
+    def put_claim(self, record: ClaimRecord) -> None:
+        """Journal the group's new holder; a failed write is logged, not raised (the
+        claim still holds in memory, only not across a restart)."""
+        try:
+            self.journal.put_claim(
+                record.job, record.group, record.run, record.since, record.newest_step
+            )
+        except JournalError as exc:
+            self.failed_writes += 1
+            _log.error("%s; the claim holds until this coordinator stops", exc)
+
+    def drop_claim(self, job: str, group: str) -> None:
+        """Forget the group's holder in the journal."""
+        try:
+            self.journal.drop_claim(job, group)
+        except JournalError as exc:
+            self.failed_writes += 1
+            _log.error("%s; the retention pass deletes it later", exc)
+
+    def claims(self) -> list[ClaimRecord]:
+        """The holders the journal kept (read once, when the round table starts)."""
+        return [ClaimRecord(*row) for row in self.journal.claims()]

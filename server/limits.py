@@ -9,7 +9,9 @@ response and goes on):
 
 - job and group names: non-empty, at most ``max_name_length`` characters, printable
   (no control characters: names end up in logs, metric labels and ``lossreduce status``);
-- each term's contract string: at most ``max_contract_length`` characters.
+- each term's contract string: at most ``max_contract_length`` characters;
+- a run id (``ReduceRequest.run``), when given: as a job name (it is a metric
+  label and appears in messages and ``lossreduce status``).
 
 Each violation is an ``InvalidPartialError`` (INVALID_ARGUMENT) for the sender
 only, whose ``limit`` names the setting. Messages quote at most the first 32
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from lossreduce.errors import InvalidPartialError
 
-__all__ = ["check_contract_lengths", "check_group_names", "check_request_names"]
+__all__ = ["check_contract_lengths", "check_group_names", "check_request_names", "check_run_name"]
 
 _QUOTE = 32
 
@@ -60,6 +62,26 @@ def check_group_names(
                 limit="max_name_length",
             )
     return None
+
+
+def check_run_name(
+    key: tuple[str, str, int], rank: int, run: str, *, max_name_length: int
+) -> InvalidPartialError | None:
+    """Why the run a contribution names breaks the name limit, or None (an empty run,
+    from a client that names none, is fine)."""
+    problem = _name_problem(run, max_length=max_name_length) if run else None
+    if problem is None:
+        return None
+    job, group, step = key
+    return InvalidPartialError(
+        f"job {job!r} group {group!r} step {step}: run {_quote(run)} {problem} "
+        f"(sent by rank {rank})",
+        job=job,
+        group=group,
+        step=step,
+        rank=rank,
+        limit="max_name_length",
+    )
 
 
 def check_contract_lengths(

@@ -22,6 +22,7 @@ from lossreduce import __version__
 from lossreduce.metrics_http import MetricsServer
 
 from .outcomes import Outcome, OutcomeKind, RejectReason, RoundKey
+from .run_claims import ClaimRecord
 
 __all__ = ["DURATION_BUCKETS_S", "CoordinatorMetrics", "MetricsServer"]
 
@@ -123,7 +124,17 @@ class CoordinatorMetrics:
             registry=r,
         )
         self.build_info.labels(__version__, platform.python_version(), grpc.__version__).set(1)
+        # The run is a label of this one series per group only (bounded by the groups),
+        # never of the per-round series.
+        self.holder_since = Gauge(
+            "lossreduce_group_run_claimed_since_seconds",
+            "Unix time at which the run holding the job and group claimed it; one series "
+            "per group, for the holder only, removed with the group.",
+            (*jg, "run"),
+            registry=r,
+        )
         self._groups: dict[tuple[str, str], _GroupSeries] = {}
+        self._holders: dict[tuple[str, str], str] = {}
 
     def _series(self, key: RoundKey) -> _GroupSeries:
         series = self._groups.get((key.job, key.group))
@@ -175,7 +186,18 @@ class CoordinatorMetrics:
             children[0].set(normalizer.value)
             children[1].set(normalizer.zero_ranks)
 
+    def run_claimed(self, record: ClaimRecord) -> None:
+        jg = (record.job, record.group)
+        previous = self._holders.get(jg)
+        if previous is not None and previous != record.run:
+            self.holder_since.remove(*jg, previous)
+        self._holders[jg] = record.run
+        self.holder_since.labels(*jg, record.run).set(record.since)
+
     def group_forgotten(self, job: str, group: str) -> None:
+        holder = self._holders.pop((job, group), None)
+        if holder is not None:
+            self.holder_since.remove(job, group, holder)
         series = self._groups.pop((job, group), None)
         if series is None:
             return

@@ -13,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 from lossreduce.errors import InvalidPartialError, LossReduceError, round_error
+
+if TYPE_CHECKING:
+    from .run_claims import ClaimRecord
 
 __all__ = [
     "DIGEST_SIZE",
@@ -94,6 +97,8 @@ class RejectReason(StrEnum):
     BAD_TERM_NAME = "bad_term_name"
     CONFLICTING = "conflicting"
     BAD_AGGREGATE = "bad_aggregate"
+    RUN_CONFLICT = "run_conflict"
+    """Another run holds the group (:class:`~lossreduce.errors.RunConflictError`)."""
 
 
 class TermNormalizerValue(NamedTuple):
@@ -174,6 +179,9 @@ class RoundObserver(Protocol):
     ) -> None:
         """A round ended; ``duration_s`` from first arrival, ``straggler_wait_s``
         between the last two arrivals (None when fewer than two ranks arrived)."""
+
+    def run_claimed(self, record: ClaimRecord) -> None:
+        """``record.run`` claimed its group, first or taking it over from a replaced run."""
 
     def group_forgotten(self, job: str, group: str) -> None:
         """The table forgot an idle group: no round of it is live or cached any more

@@ -13,17 +13,18 @@ Nothing here knows about gRPC or asyncio: the servicer passes ``now`` in,
 schedules each round's deadline itself, and keeps its own per-round state in
 :attr:`Round.handle`. The table decides; its parts judge and compute:
 :mod:`~lossreduce.contribution_check` and ``validation`` (a contribution alone,
-and against its round), ``summation`` (the exact sums), ``records`` (what the
-outcome store keeps of a round) and ``step_window`` (a group's rounds and stale
-steps).
+and against its round), ``refusals`` (limits, shutdown, stale steps, another
+run's claim), ``run_claims`` (which run holds each group), ``summation`` (the
+exact sums), ``records`` (what the outcome store keeps of a round),
+``step_window`` (a group's rounds and stale steps) and ``rounds`` (a round and
+an admission).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
 
 from lossreduce.contribution import Contribution
 from lossreduce.contribution_check import ContributionProblem, check_contribution
@@ -32,16 +33,13 @@ from lossreduce.errors import (
     CoordinatorUnavailableError,
     EmptyNormalizerError,
     InvalidPartialError,
-    LimitExceededError,
     LossReduceError,
     RoundAbortedError,
     RoundTimeoutError,
-    StaleRoundError,
     format_terms,
 )
 from lossreduce.rules import check_global_normalizer
 
-from .limits import check_contract_lengths, check_group_names
 from .outcomes import (
     Outcome,
     OutcomeKind,
@@ -50,97 +48,18 @@ from .outcomes import (
     RoundKey,
     RoundObserver,
     RoundRecord,
-    TermNormalizerValue,
     key_error,
 )
-from .records import contribution_digest, record_of, restored_reference
+from .records import contribution_digest, record_of
+from .refusals import new_round_refusal, request_limit_error, run_conflict_error
+from .rounds import Admission, Round, restored_round
+from .run_claims import Claim, ClaimStore, RunClaims
 from .settings import CoordinatorSettings
 from .step_window import StepWindow
 from .summation import distinct, sum_terms
 from .validation import contract_mismatch, late_mismatch, reject_reason
 
 __all__ = ["Admission", "Contribution", "Round", "RoundTable"]
-
-
-class Round:
-    """A live or finished round. Read-only outside the table except :attr:`handle`."""
-
-    __slots__ = (
-        "arrived",
-        "contributions",
-        "created_at",
-        "deadline",
-        "digests",
-        "finished_at",
-        "handle",
-        "key",
-        "last_arrival",
-        "outcome",
-        "previous_arrival",
-        "record",
-        "reference",
-    )
-
-    def __init__(
-        self, key: RoundKey, reference: Contribution, now: float, timeout_s: float
-    ) -> None:
-        self.key = key
-        # The first contribution fixes world size, term names and contracts for the round.
-        self.reference = reference
-        # Indexed by rank; the world size is bounded by max_world_size before a round opens.
-        self.contributions: list[Contribution | None] = [None] * reference.world_size
-        self.digests: list[bytes | None] = []
-        """With an outcome store: per rank, the digest of the contribution that counted,
-        taken as it arrived so the last arrival does not hash the whole round."""
-        self.arrived = 0
-        self.created_at = now
-        self.deadline = now + timeout_s
-        self.last_arrival: float | None = None
-        self.previous_arrival: float | None = None
-        self.finished_at: float | None = None
-        self.outcome: Outcome | None = None
-        self.handle: Any = None
-        """Free for the adapter driving the table (the servicer's waiters and timer)."""
-        self.record: RoundRecord | None = None
-        """A round rebuilt from the outcome store: what it kept of its contributions."""
-
-    @property
-    def world_size(self) -> int:
-        return self.reference.world_size
-
-    def contribution_of(self, rank: int) -> Contribution | None:
-        return self.contributions[rank] if rank < len(self.contributions) else None
-
-    def arrived_ranks(self) -> list[int]:
-        return [r for r, c in enumerate(self.contributions) if c is not None]
-
-    def missing_ranks(self) -> list[int]:
-        if self.outcome is not None and self.outcome.kind is OutcomeKind.COMPLETED:
-            return []
-        return [r for r, c in enumerate(self.contributions) if c is None]
-
-    def partial_sums(self) -> tuple[TermNormalizerValue, ...]:
-        """Per-term exact sums of what has arrived (the normalizers once completed)."""
-        if self.outcome is not None and self.outcome.kind is OutcomeKind.COMPLETED:
-            return self.outcome.normalizers
-        return sum_terms(self.reference.terms, distinct(self.contributions))
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """What :meth:`RoundTable.contribute` did with one contribution.
-
-    ``error`` is this request's own answer when it was refused (the round, if
-    any, is unaffected). Otherwise the answer is ``round.outcome`` once the
-    round has one (``Outcome.error_for(rank)``). ``created`` says a new round
-    was opened (schedule its deadline); ``finished`` that this contribution
-    ended it (wake its waiters).
-    """
-
-    round: Round | None
-    error: LossReduceError | None = None
-    created: bool = False
-    finished: bool = False
 
 
 class RoundTable:
@@ -155,10 +74,18 @@ class RoundTable:
         *,
         observer: RoundObserver | None = None,
         store: OutcomeStore | None = None,
+        claim_store: ClaimStore | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._settings = settings
         self._observer = observer
         self._store = store
+        self._wall_clock = wall_clock
+        self._claims = RunClaims()
+        # A journal keeps the runs holding groups, so a restart still refuses a collision.
+        self._claim_store = claim_store
+        if self._claim_store is not None:
+            self._claims.restore(self._claim_store.claims())
         self._jobs: dict[str, dict[str, StepWindow]] = {}
         self._live_count = 0
         self._closing = False
@@ -176,13 +103,27 @@ class RoundTable:
         """Add one rank's contribution; see :class:`Admission` for the answer."""
         groups = self._jobs.get(key.job)
         group = None if groups is None else groups.get(key.group)
-        limit_error = self._check_request_limits(key, c, group)
+        limit_error = request_limit_error(self._settings, key, c, group)
         if limit_error is not None:
             return Admission(None, limit_error)
+        if c.run:
+            # Before the round is even looked at: another run's contribution must
+            # neither join this run's rounds nor receive their answers.
+            refused = self._claim(key, c, now)
+            if refused is not None:
+                return Admission(None, refused)
         rnd = self._find(group, key)
         created = False
         if rnd is None:
-            refusal = self._refuse_new_round(group, key)
+            groups = self._jobs.get(key.job)
+            refusal = new_round_refusal(
+                self._settings,
+                key,
+                group,
+                closing=self._closing,
+                jobs=len(self._jobs),
+                groups_of_job=None if groups is None else len(groups),
+            )
             if refusal is not None:
                 return Admission(None, refusal)
             group = group or self._add_group(key, now)
@@ -267,11 +208,22 @@ class RoundTable:
             for name, group in list(groups.items()):
                 if not group.live and now - group.last_activity >= ttl:
                     del groups[name]
+                    self._drop_claim(job, name)
                     if self._observer is not None:
                         self._observer.group_forgotten(job, name)
             if not groups:
                 del self._jobs[job]
+        live = {(job, name) for job, groups in self._jobs.items() for name in groups}
+        for job, name in self._claims.expire(now, ttl, groups=live):
+            # A claim whose group never opened (its first round was refused).
+            self._drop_claim(job, name)
+            if self._observer is not None:
+                self._observer.group_forgotten(job, name)
         return ended
+
+    def holder(self, job: str, group: str) -> Claim | None:
+        """The run holding ``(job, group)``, or None."""
+        return self._claims.holder(job, group)
 
     def close(self) -> None:
         """Refuse new rounds from now on; live rounds may still complete."""
@@ -318,51 +270,6 @@ class RoundTable:
 
     # -- internals --------------------------------------------------------------
 
-    def _check_request_limits(
-        self, key: RoundKey, c: Contribution, group: StepWindow | None
-    ) -> LossReduceError | None:
-        s = self._settings
-        if group is None:
-            # A group's job and group names were judged when it was opened.
-            named = check_group_names(key, c.rank, max_name_length=s.max_name_length)
-            if named is not None:
-                return named
-        if group is None or c.contracts != group.judged_contracts:
-            long_contract = check_contract_lengths(
-                key, c.rank, c.terms, c.contracts, max_contract_length=s.max_contract_length
-            )
-            if long_contract is not None:
-                return long_contract
-            if group is not None:
-                group.judged_contracts = c.contracts
-        for name, value, limit in (
-            ("max_terms", len(c.terms), s.max_terms),
-            ("max_world_size", c.world_size, s.max_world_size),
-        ):
-            if value > limit:
-                return self._limit(key, c.rank, name, f"{name.removeprefix('max_')} {value}", limit)
-        if c.world_size == 0:
-            return key_error(
-                InvalidPartialError,
-                key,
-                f"rank {c.rank} sent world_size 0",
-                rank=c.rank,
-                ranks=(c.rank,),
-            )
-        return None
-
-    @staticmethod
-    def _limit(
-        key: RoundKey, rank: int | None, name: str, what: str, limit: int
-    ) -> LimitExceededError:
-        return key_error(
-            LimitExceededError,
-            key,
-            f"{what} exceeds the coordinator limit {name}={limit}",
-            rank=rank,
-            limit=name,
-        )
-
     def _find(
         self, group: StepWindow | None, key: RoundKey, *, use_store: bool = True
     ) -> Round | None:
@@ -373,49 +280,27 @@ class RoundTable:
         if use_store and self._store is not None:
             outcome = self._store.get(key)
             if outcome is not None:
-                return _restored(outcome)
+                return restored_round(outcome)
         return None
 
-    def _refuse_new_round(self, group: StepWindow | None, key: RoundKey) -> LossReduceError | None:
-        s = self._settings
-        if self._closing:
-            return key_error(
-                CoordinatorUnavailableError,
-                key,
-                "the coordinator is shutting down and opens no new rounds",
-            )
-        if group is None:
-            groups = self._jobs.get(key.job)
-            if groups is None and len(self._jobs) >= s.max_jobs:
-                return self._limit(key, None, "max_jobs", f"job {len(self._jobs) + 1}", s.max_jobs)
-            if groups is not None and len(groups) >= s.max_groups_per_job:
-                return self._limit(
-                    key,
-                    None,
-                    "max_groups_per_job",
-                    f"group {len(groups) + 1}",
-                    s.max_groups_per_job,
-                )
+    def _claim(self, key: RoundKey, c: Contribution, now: float) -> LossReduceError | None:
+        wall = self._wall_clock()
+        verdict = self._claims.admit(key.job, key.group, c.run, key.step, now=now, wall=wall)
+        changed, self._claims.changed = self._claims.changed, []
+        if self._claim_store is not None:
+            for record in changed:
+                self._claim_store.put_claim(record)
+        if self._observer is not None:
+            for record in changed:
+                self._observer.run_claimed(record)
+        if verdict is None:
             return None
-        floor = group.is_stale(key.step, s)
-        if floor is not None:
-            return key_error(
-                StaleRoundError,
-                key,
-                f"step is stale; the newest step of the group is "
-                f"{group.newest_step} and steps up to {floor} are no longer retained "
-                f"(retained_steps={s.retained_steps}, finished_cache_size={s.finished_cache_size})",
-                limit="retained_steps",
-            )
-        if len(group.live) >= s.max_rounds_in_flight:
-            return self._limit(
-                key,
-                None,
-                "max_rounds_in_flight",
-                f"round {len(group.live) + 1} in flight",
-                s.max_rounds_in_flight,
-            )
-        return None
+        self._notify_rejected(key, RejectReason.RUN_CONFLICT)
+        return run_conflict_error(self._settings, key, c.rank, verdict, wall=wall)
+
+    def _drop_claim(self, job: str, group: str) -> None:
+        if self._claims.forget(job, group) and self._claim_store is not None:
+            self._claim_store.drop_claim(job, group)
 
     def _add_group(self, key: RoundKey, now: float) -> StepWindow:
         group = StepWindow(now)
@@ -557,16 +442,3 @@ class RoundTable:
             self._observer.round_finished(
                 rnd.key, outcome, duration_s=now - rnd.created_at, straggler_wait_s=wait
             )
-
-
-def _restored(outcome: Outcome) -> Round:
-    """A finished round rebuilt from the outcome store.
-
-    Its contributions are not kept, only its contract and one digest per arrived rank
-    (``outcome.record``; None in journals written before records existed).
-    """
-    rnd = Round(outcome.key, restored_reference(outcome.record), 0.0, 0.0)
-    rnd.outcome = outcome
-    rnd.record = outcome.record
-    rnd.finished_at = 0.0
-    return rnd

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .settings import CoordinatorSettings
 
 if TYPE_CHECKING:
-    from .round_table import Round
+    from .rounds import Round
 
 __all__ = ["StepWindow"]
 

@@ -39,6 +39,7 @@ class Send:
     job: str = "job-t"
     group: str = "actor"
     contracts: Mapping[str, str] | None = None
+    run: str = ""
 
     def request(self) -> pb.ReduceRequest:
         contracts = self.contracts or {}
@@ -49,6 +50,7 @@ class Send:
             terms=terms,
             values=tuple(self.partials.values()),
             contracts=tuple(contracts.get(t, "mean:token_mean") for t in terms),
+            run=self.run,
         )
         return contribution.request(pb.RoundKey(job=self.job, group=self.group, step=self.step))
 

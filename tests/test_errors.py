@@ -40,14 +40,20 @@ from lossreduce.status_codec import from_status, to_status
         errors.LimitExceededError(
             "too many", job="j", group="g", step=2, limit="max_rounds_in_flight"
         ),
+        errors.RunConflictError(
+            "held", holder="run-1", held_since=1.5e9, job="j", group="g", step=0, run="run-2"
+        ),
     ],
 )
 def test_status_round_trip_keeps_type_and_context(err: LossReduceError) -> None:
     back = from_status(to_status(err))
     assert type(back) is type(err)
     assert str(back) == str(err)
-    for field in ("job", "group", "step", "rank", "terms", "ranks", "limit"):
+    for field in ("job", "group", "step", "rank", "terms", "ranks", "limit", "run"):
         assert getattr(back, field) == getattr(err, field)
+    if isinstance(err, errors.RunConflictError):
+        assert isinstance(back, errors.RunConflictError)
+        assert (back.holder, back.held_since) == (err.holder, err.held_since)
     assert [repr(v) for v in back.values] == [repr(v) for v in err.values]
 
 

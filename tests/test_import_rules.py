@@ -33,7 +33,17 @@ ENGINES = f"{TRAIN}.engines"
 
 ROUND_TABLE = tuple(
     f"lossreduce.server.{m}"
-    for m in ("round_table", "validation", "summation", "records", "step_window", "outcomes")
+    for m in (
+        "round_table",
+        "validation",
+        "summation",
+        "records",
+        "step_window",
+        "outcomes",
+        "refusals",
+        "run_claims",
+        "rounds",
+    )
 )
 """The pure round state machine and what it is made of."""
 

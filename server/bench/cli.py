@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import os
 import platform
 import resource
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from lossreduce.server.bench.contenders import Endpoints
 from lossreduce.server.bench.e2e import run_areal_e2e, run_e2e, run_trl_e2e, run_verl_e2e
 from lossreduce.server.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
+from lossreduce.server.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
 from lossreduce.server.bench.report import (
     format_table,
     ratios,
@@ -416,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = SettingsParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_settings_flags(parser, BenchSettings, metavars={"out": "DIR"})
     parser.add_argument(
+        "--many-runs",
+        action="store_true",
+        help="Run the many-runs soak instead (lossreduce.server.bench.many_runs: one coordinator, "
+        "16 concurrent jobs x 16 ranks starting, finishing and reusing names, against one "
+        "job of 256 ranks); writes many-runs.json to --out.",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"Few rounds ({QUICK_DEFAULTS['rounds']}) at N={','.join(map(str, _QUICK_WORLD_SIZES))} "
@@ -433,5 +442,11 @@ def main(argv: Sequence[str]) -> int:
         )
     except FlagError as err:
         return err.report(PROG)
+    if args.many_runs:
+        report = run_many_runs(ManyRunsSettings())
+        print(format_many_runs(report), flush=True)
+        settings.out.mkdir(parents=True, exist_ok=True)
+        (settings.out / "many-runs.json").write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     run_bench(settings)
     return 0

@@ -274,6 +274,7 @@ def test_status_and_blocking_clients_work_through_an_agent_thread(coordinator, c
                         rank=r,
                         world_size=2,
                         settings=rank_settings(),
+                        run="run-via-agent",
                     )
                 )
                 for r in (0, 1)
@@ -283,6 +284,8 @@ def test_status_and_blocking_clients_work_through_an_agent_thread(coordinator, c
         assert status_cli.main(["--coordinator", agent.target, "--job", JOB]) == 0
         listing = capsys.readouterr().out
         assert "completed" in listing
+        # The agent's one aggregated request named the ranks' run.
+        assert "run-via-agent" in listing
         assert f"{JOB}  {GROUP}" in listing
         code = status_cli.main(
             ["--coordinator", agent.target, "--job", JOB, "--group", GROUP, "--step", "3"]

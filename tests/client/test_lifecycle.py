@@ -27,6 +27,7 @@ CLIENT_ERRORS = {
     errors.EmptyNormalizerError,
     errors.ContractMismatchError,
     errors.StaleRoundError,
+    errors.RunConflictError,
     errors.RoundAbortedError,
     errors.RoundTimeoutError,
     errors.ConflictingContributionError,
@@ -57,11 +58,14 @@ def test_public_names_are_exported_and_errors_are_the_shared_ones() -> None:
 
 @pytest.mark.parametrize("cls", [ReductionClient, AsyncReductionClient])
 def test_identity_is_read_only(cls: type[ReductionClient] | type[AsyncReductionClient]) -> None:
-    client = cls(UNUSED_TARGET, job="j", group="g", rank=1, world_size=2)
+    client = cls(UNUSED_TARGET, job="j", group="g", rank=1, world_size=2, run="r")
     try:
-        assert (client.job, client.group, client.rank, client.world_size) == ("j", "g", 1, 2)
+        identity = (client.job, client.group, client.rank, client.world_size, client.run)
+        assert identity == ("j", "g", 1, 2, "r")
         with pytest.raises(AttributeError):
             client.rank = 0  # type: ignore[misc]
+        with pytest.raises(AttributeError):
+            client.run = "other"  # type: ignore[misc]
     finally:
         if isinstance(client, ReductionClient):
             client.close()

@@ -54,9 +54,10 @@ def test_status_names_the_missing_rank(
 
     assert main(["--coordinator", coordinator.target, "--job", "stuck"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()
-    assert header.split()[:6] == ["JOB", "GROUP", "STEP", "STATE", "ARRIVED", "MISSING"]
-    assert rows[0].split()[:6] == ["stuck", "actor", "42", "collecting", "3/4", "1"]
-    assert rows[1].split()[:6] == ["stuck", "actor", "41", "completed", "1/1", "-"]
+    assert header.split()[:7] == ["JOB", "GROUP", "RUN", "STEP", "STATE", "ARRIVED", "MISSING"]
+    # The raw stub names no run (a client from before runs): RUN shows "-".
+    assert rows[0].split()[:7] == ["stuck", "actor", "-", "42", "collecting", "3/4", "1"]
+    assert rows[1].split()[:7] == ["stuck", "actor", "-", "41", "completed", "1/1", "-"]
 
     assert (
         main(
@@ -74,7 +75,7 @@ def test_status_names_the_missing_rank(
         == 0
     )
     (_, row) = capsys.readouterr().out.splitlines()
-    assert row.split()[4:6] == ["3/4", "1"]
+    assert row.split()[5:7] == ["3/4", "1"]
 
     # The console script itself, as an operator runs it.
     out = subprocess.run(

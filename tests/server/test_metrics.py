@@ -19,6 +19,7 @@ from lossreduce.server import (
     RoundKey,
     RoundTable,
 )
+from lossreduce.server.run_claims import ClaimRecord
 
 
 def c(rank: int, world: int, contract: str = "mean", **terms: float) -> Contribution:
@@ -211,3 +212,15 @@ def test_a_forgotten_group_takes_every_series_of_its_own_along() -> None:
     # A group seen again starts afresh.
     table.contribute(key(3), c(0, 1, tok=1.0), 70.0)
     assert value(metrics, "lossreduce_contributions_total", job="job", group="actor") == 1.0
+
+
+def test_the_holder_run_is_one_series_per_group_retired_with_the_group() -> None:
+    metrics = CoordinatorMetrics()
+    name = "lossreduce_group_run_claimed_since_seconds"
+    metrics.run_claimed(ClaimRecord("j", "actor", "run-1", 100.0, 0))
+    metrics.run_claimed(ClaimRecord("j", "actor", "run-2", 200.0, 5))
+    sample = metrics.registry.get_sample_value
+    assert sample(name, {"job": "j", "group": "actor", "run": "run-1"}) is None
+    assert sample(name, {"job": "j", "group": "actor", "run": "run-2"}) == 200.0
+    metrics.group_forgotten("j", "actor")
+    assert sample(name, {"job": "j", "group": "actor", "run": "run-2"}) is None

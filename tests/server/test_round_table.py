@@ -35,6 +35,7 @@ from lossreduce.server import (
     RoundKey,
     RoundTable,
 )
+from lossreduce.server.run_claims import ClaimRecord
 from lossreduce.v2 import coordinator_pb2 as pb
 
 KEY = RoundKey("job-a", "actor", 7)
@@ -84,6 +85,9 @@ class Recorder:
         self, key: RoundKey, outcome: Outcome, *, duration_s: float, straggler_wait_s: float | None
     ) -> None:
         self.calls.append(("finished", key, outcome.kind, duration_s, straggler_wait_s))
+
+    def run_claimed(self, record: ClaimRecord) -> None:
+        self.calls.append(("claimed", record.job, record.group, record.run))
 
     def group_forgotten(self, job: str, group: str) -> None:
         self.calls.append(("forgotten", job, group))
