@@ -8,6 +8,8 @@
   normalizer backend, coordinator, empty steps), read from ``LOSSREDUCE_*``
   environment variables; :class:`GRPOReductionSettings` is TRL's, and verl and
   AReaL have theirs in their packages.
+- ``run_identity``: the one way every integration (and ``lossreduce train``)
+  resolves the run its rounds carry, and the default job names built from it.
 - ``coordinator_actor`` and ``tls``: the coordinator as a named Ray actor, and
   the private CA of a run over several nodes, shared by the train job and the
   integrations that start or join one.

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
             "job": "NAME",
             "model": "PATH",
             "out": "DIR",
+            "run": "ID",
             "tls_ca": "PATH",
         },
     )

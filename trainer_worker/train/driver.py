@@ -37,6 +37,7 @@ from lossreduce.trainer_worker.integrations.coordinator_actor import (
     CoordinatorHandle,
     start_coordinator_actor,
 )
+from lossreduce.trainer_worker.integrations.run_identity import draw_run
 from lossreduce.trainer_worker.integrations.tls import read_ca
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP, Engine, WorkerCluster
 from lossreduce.trainer_worker.train.engines.registry import get_engine
@@ -72,6 +73,8 @@ class RunResult:
     out_dir: Path
     records: tuple[StepRecord, ...]
     verify: VerifyReport | None
+    run: str
+    """The run id every worker's rounds carried."""
 
 
 _LOG = logging.getLogger(__name__)
@@ -253,9 +256,12 @@ def _describe_run(
 ) -> str:
     """The run's first line: who trains where, and how the normalizers travel
     (the engine adds what is its own)."""
+    # A default job already ends in the run; a given one does not show it.
+    run = "" if job.endswith(f"-{settings.run}") else f" (run {settings.run})"
     nodes = len({s.node_id for s in placement.slots})
     line = (
-        f"lossreduce train --engine {settings.engine}: job {job!r}, {settings.workers} workers "
+        f"lossreduce train --engine {settings.engine}: job {job!r}{run}, "
+        f"{settings.workers} workers "
         f"({'GPU' if placement.use_gpu else 'CPU'}, {settings.placement}, "
         f"{nodes} node{'s' if nodes > 1 else ''}), normalizer {settings.normalizer}"
     )
@@ -307,7 +313,11 @@ def run(
     """Run training (or ``--verify``) end to end; raise :class:`TrainingFailedError` on failure."""
     console = console or Console()
     now = datetime.now(UTC)
-    job = settings.job or f"train-{now.strftime('%Y%m%d-%H%M%S')}"
+    # One draw for the whole run: every worker gets it in its settings, so all ranks
+    # (and ranks Ray restarts) reduce under the same run.
+    run_id = settings.run or draw_run()
+    settings = settings.model_copy(update={"run": run_id})
+    job = settings.job or f"train-{run_id}"
     out_dir = settings.out or default_out_dir(now)
     engine = _build_engine(settings, job, out_dir)
     with _ray_session(settings) as started_local:
@@ -374,14 +384,14 @@ def run(
                 report = engine.verify()
                 console.print(report.table())
                 failed = False
-                return RunResult(job, out_dir, (), report)
+                return RunResult(job, out_dir, (), report, run_id)
             with RunOutputs(
                 out_dir, settings.steps, progress=settings.progress, console=console
             ) as outputs:
                 engine.train([outputs, *observers])
             outputs.finish()
             failed = False
-            return RunResult(job, out_dir, tuple(outputs.records), None)
+            return RunResult(job, out_dir, tuple(outputs.records), None, run_id)
         finally:
             try:
                 engine.shutdown(graceful=not failed)

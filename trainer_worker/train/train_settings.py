@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lossreduce.trainer_worker.integrations.run_identity import RUN_PATTERN
 from lossreduce.trainer_worker.train.engines.registry import engine_names, get_engine
 
 __all__ = ["Mode", "TrainSettings"]
@@ -96,7 +97,15 @@ class TrainSettings(BaseModel):
     job: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
-        description="Job name for coordinator rounds and metrics (default: train-<timestamp>).",
+        description="Job name for coordinator rounds and metrics (default: "
+        "train-<run>, new for every run). A given job is kept as is; a coordinator "
+        "shared by many runs then refuses a second run claiming it while the first is active.",
+    )
+    run: str | None = Field(
+        default=None,
+        pattern=RUN_PATTERN,
+        description="This run's identity on the coordinator, sent with every round (default: "
+        "a short random id the driver draws once and gives every worker).",
     )
     # -- the RL loop ----------------------------------------------------------
     steps: int = Field(default=60, ge=1, description="Training steps (one batch of rollouts each).")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import ray
 from ray.exceptions import RayActorError
@@ -27,6 +29,8 @@ from lossreduce.trainer_worker.train.driver import RunResult, run
 from lossreduce.trainer_worker.train.outputs import StepRecord
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.worker_group import TrainingFailedError, worker_name
+from lossreduce.v2 import coordinator_pb2 as pb
+from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import flag_error
 from tests.ray_support import local_ray
 
@@ -124,6 +128,29 @@ def test_coordinator_and_torch_backends_give_identical_losses(
     assert [r.losses for r in coord] == [r.losses for r in torch_]
     assert [r.normalizers for r in coord] == [r.normalizers for r in torch_]
     assert [r.reward for r in coord] == [r.reward for r in torch_]
+
+
+def _round_run(target: str, job: str, step: int) -> str:
+    """The run the coordinator recorded for a finished round of the workers' group."""
+    with grpc.insecure_channel(target) as channel:
+        key = pb.RoundKey(job=job, group="policy", step=step)
+        status = pb_grpc.ReductionCoordinatorStub(channel).GetRound(
+            pb.GetRoundRequest(round=key), timeout=10
+        )
+    return str(status.run)
+
+
+def test_the_driver_draws_one_run_and_every_worker_reduces_under_it(
+    coordinator_target: str, tmp_path: Path
+) -> None:
+    drawn = run(tiny(tmp_path / "a", steps=1, coordinator=coordinator_target))
+    given = run(tiny(tmp_path / "b", steps=1, coordinator=coordinator_target, run="given-1"))
+    assert re.fullmatch(r"[0-9a-f]{8}", drawn.run)
+    assert given.run == "given-1"
+    for result in (drawn, given):
+        # The default job carries the run: two runs never share a round.
+        assert result.job == f"train-{result.run}"
+        assert _round_run(coordinator_target, result.job, 0) == result.run
 
 
 def test_verify_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,6 +72,7 @@ from lossreduce.trainer_worker.integrations.areal.plan import (
     token_weights,
 )
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
+from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.normalizers import (
     CoordinatorNormalizer,
     GlobalNormalizer,
@@ -87,6 +88,11 @@ WeightFn = Callable[[dict[str, Any]], Tensor]
 
 _EXACT_ROWS = 2**24
 """The engine sums the micro-batch weights in float32: sequence counts are exact below this."""
+
+ROUNDS_PER_VERSION = 1024
+"""Round steps reserved for each AReaL weight version: a version's PPO update makes
+``ppo_n_minibatches`` rounds, so the rounds of version ``v`` start at ``v * 1024`` and
+a run resumed at version ``v`` continues after the rounds of every earlier version."""
 
 
 def refuse_unsupported(config: Any, settings: ArealReductionSettings) -> None:
@@ -204,7 +210,8 @@ class LossReduceActorMixin:
         self.reduction_settings = settings
         self.policy_reduction: PolicyGradientReduction = settings.reduction
         self.skipped_steps = 0
-        self._reduction_steps = 0
+        self._next_round = 0
+        self._identity: tuple[str, str] | None = None
         self._normalizer: GlobalNormalizer | None = None
         self._client: Any = None
 
@@ -222,20 +229,20 @@ class LossReduceActorMixin:
     ) -> dict[str, float]:
         """One optimizer step with lossreduce's normalizers (see the module docstring)."""
         batch = self._one_batch(input_)
-        step = self._reduction_steps
-        self._reduction_steps += 1
+        step = self._round_step()
         settings = self.reduction_settings
+        _, job = self.identity()
         if (
             "teacher_logp" in batch
             and self.policy_reduction.mode is not PolicyGradientMode.TOKEN_MEAN
         ):
             # The same on every rank: a teacher is configured for the whole run.
             raise ReductionConfigError(
-                f"job {settings.job!r} step {step}: AReaL adds the teacher distillation "
+                f"job {job!r} step {step}: AReaL adds the teacher distillation "
                 f"penalty into the policy-gradient loss before dividing, so it would be "
                 f"normalized per {self.policy_reduction.mode.value} unit; with a teacher use "
                 "mode 'token_mean'",
-                job=settings.job,
+                job=job,
                 group=settings.group,
                 step=step,
             )
@@ -249,9 +256,9 @@ class LossReduceActorMixin:
         engine_rows = normalizers[ROWS_TERM] * self._weight_group_factor()
         if engine_rows >= _EXACT_ROWS:
             raise ReductionConfigError(
-                f"job {settings.job!r} step {step}: {engine_rows:.0f} sequences in one step; "
+                f"job {job!r} step {step}: {engine_rows:.0f} sequences in one step; "
                 f"the engine sums its weights in float32, exact only below {_EXACT_ROWS}",
-                job=settings.job,
+                job=job,
                 group=settings.group,
                 step=step,
             )
@@ -264,6 +271,24 @@ class LossReduceActorMixin:
             if term in normalizers:
                 stats[f"lossreduce/normalizer/{term}"] = normalizers[term]
         return stats
+
+    def identity(self) -> tuple[str, str]:
+        """(run, job) of this actor's rounds, resolved at the first step: every rank of
+        the actor trains it, so rank 0's draw can be shared then."""
+        if self._identity is None:
+            settings = self.reduction_settings
+            run = resolve_run(settings.run, device=self._device(torch.device("cpu")))
+            self._identity = run, settings.job_of(run)
+        return self._identity
+
+    def _round_step(self) -> int:
+        """The next round's step: within AReaL's weight version (which its trainer sets
+        from the global step, and a recovered run restores), never below the last."""
+        get_version = getattr(self, "get_version", None)
+        version = int(get_version()) if get_version is not None else 0
+        step = max(self._next_round, version * ROUNDS_PER_VERSION)
+        self._next_round = step + 1
+        return step
 
     def destroy(self) -> None:
         """AReaL's ``destroy``, closing the coordinator client first."""
@@ -328,18 +353,21 @@ class LossReduceActorMixin:
             from lossreduce.client import ReductionClient
 
             assert settings.coordinator is not None  # the settings validator requires it
+            run, job = self.identity()
             self._client = ReductionClient(
                 settings.coordinator,
-                job=settings.job,
+                job=job,
                 group=group,
+                run=run,
                 rank=rank,
                 world_size=world,
                 settings=settings.client,
             )
             return CoordinatorNormalizer(self._client)
+        _, job = self.identity()
         if world == 1:
-            return LocalNormalizer(job=settings.job, group=group)
-        return TorchDistributedNormalizer(process_group, job=settings.job, group=group)
+            return LocalNormalizer(job=job, group=group)
+        return TorchDistributedNormalizer(process_group, job=job, group=group)
 
     def _device(self, fallback: torch.device) -> torch.device:
         device = getattr(self, "device", None)
@@ -382,8 +410,7 @@ class LossReduceActorMixin:
             normalizer.reduce(step, poisoned, plan.contracts)
         except LossReduceError as answer:
             _, rank, _ = self._data_parallel()
-            settings = self.reduction_settings
-            rnd = RankContext(settings.job, self._reduction_group(), step, rank)
+            rnd = RankContext(self.identity()[1], self._reduction_group(), step, rank)
             terms = sorted(plan.partials)
             raise rnd.error(
                 InvalidPartialError,

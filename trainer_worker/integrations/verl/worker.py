@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +61,7 @@ from lossreduce.errors import (
     RankContext,
     ReductionInputError,
 )
+from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.verl.loss import (
     ROW_WEIGHT_KEY,
     StepNormalizers,
@@ -114,6 +117,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         self.skipped_steps = 0
         self.last_normalizers: dict[str, float] | None = None
         self._round = 0
+        self._identity: tuple[str, str] | None = None
         self._sum_config: Any = None
         self._normalizer: GlobalNormalizer | None = None
         self._client: ReductionClient | None = None
@@ -150,6 +154,43 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         finally:
             self.loss_fn = stock
 
+    # -- the run and its rounds -----------------------------------------------------
+
+    def identity(self) -> tuple[str, str]:
+        """(run, job) of this worker's rounds, resolved at the first mini-batch: every
+        rank of the worker group trains it, so rank 0's draw can be shared then."""
+        if self._identity is None:
+            settings = self.reduction_settings
+            # The whole worker group, not one sequence-parallel index's data-parallel
+            # group: every index must reduce under the same job.
+            run = resolve_run(settings.run)
+            self._identity = run, settings.job_of(run)
+        return self._identity
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+    ) -> Any:
+        """verl's checkpoint, plus this rank's round counter: a run resumed from it
+        continues its rounds where this one stood instead of numbering them from 0."""
+        saved = super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+        _round_file(local_path).write_text(json.dumps({"round": self._round}))
+        return saved
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
+    ) -> Any:
+        """verl's checkpoint, and the round counter saved with it (if any)."""
+        path = _round_file(local_path)
+        if path.is_file():
+            self._round = int(json.loads(path.read_text())["round"])
+        return super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
     # -- the normalizer backend -----------------------------------------------------
 
     def normalizer(self) -> GlobalNormalizer:
@@ -171,19 +212,22 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
             from lossreduce.client import ReductionClient
 
             target, client = self._coordinator()
+            run, job = self.identity()
             self._client = ReductionClient(
                 target,
-                job=settings.job,
+                job=job,
                 group=self._round_group(),
+                run=run,
                 rank=self.engine.get_data_parallel_rank(),
                 world_size=self.engine.get_data_parallel_size(),
                 settings=client,
             )
             return CoordinatorNormalizer(self._client)
+        _, job = self.identity()
         if self.engine.get_data_parallel_size() == 1:
-            return LocalNormalizer(job=settings.job, group=self._round_group())
+            return LocalNormalizer(job=job, group=self._round_group())
         return TorchDistributedNormalizer(
-            self.engine.get_data_parallel_group(), job=settings.job, group=self._round_group()
+            self.engine.get_data_parallel_group(), job=job, group=self._round_group()
         )
 
     def _coordinator(self) -> tuple[str, ClientSettings]:
@@ -200,7 +244,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         round_timeout_s = max(1.0, settings.client.call_timeout_s - 30.0)
         # Held while this worker lives: Ray ends an actor nobody holds.
         self._joined = join_coordinator_actor(
-            settings.job, round_timeout_s=round_timeout_s, startup_timeout_s=60.0
+            self.identity()[1], round_timeout_s=round_timeout_s, startup_timeout_s=60.0
         )
         endpoint = self._joined.endpoint
         # The actor's own token and CA (a run's, made fresh) replace any configured.
@@ -228,7 +272,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         uids = tu.get(data, key="uid", default=None)
         if uids is None:
             raise ReductionInputError(
-                f"job {self.reduction_settings.job!r}: mode 'prompt_mean' needs the prompt "
+                f"job {self.identity()[1]!r}: mode 'prompt_mean' needs the prompt "
                 "group of every response (verl's non-tensor field 'uid'), which this "
                 "mini-batch lacks"
             )
@@ -308,6 +352,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
             raise_problems(
                 ["no loss function: call set_loss_fn(ppo_loss) first"], self.reduction_settings
             )
+        self.identity()
         step = self._round
         self._round += 1
         plan, bad = self.plan(data)
@@ -336,6 +381,13 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         if lr is not None:
             metrics["lr"] = lr
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
+
+
+def _round_file(checkpoint: str) -> Path:
+    """Where a rank keeps its round counter in a checkpoint folder (one file per rank:
+    a node-local checkpoint folder holds its own ranks' files)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Path(checkpoint) / f"lossreduce_round_rank{rank}.json"
 
 
 def _round_metrics(totals: dict[str, float], latency: float, *, skipped: bool) -> dict[str, float]:

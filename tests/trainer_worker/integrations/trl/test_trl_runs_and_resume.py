@@ -1,5 +1,6 @@
 """Many runs against one coordinator, with the real TRL: a resumed run continues its
-rounds at TRL's global step, and runs with the default job never meet.
+rounds at TRL's global step, runs with the default job never meet, and a second run
+under a job another run holds is refused before any answer.
 
 Each run is a real ``LossReduceGRPOTrainer`` in this process (one process, the
 tiny offline setup), dialling one real coordinator on a free loopback port
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("trl", reason="needs the trl extra: pip install 'lossreduce[trl]'")
 
 import lossreduce.client
 from lossreduce.client import ReductionClient
+from lossreduce.errors import RunConflictError
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.trl import tiny_grpo
@@ -142,3 +145,37 @@ def test_two_runs_with_the_default_job_never_meet(
         jobs == [f"trl-grpo-{first.reduction_run}"] * 2 + [f"trl-grpo-{second.reduction_run}"] * 2
     )
     assert first.reduction_run != second.reduction_run
+
+
+def test_a_second_run_under_a_job_another_run_holds_is_refused_before_it_trains(
+    model_dir: Path, coordinator: str, sent: Sent, tmp_path: Path
+) -> None:
+    held = Case(name="held", normalizer="coordinator", coordinator=coordinator, job="team-held")
+    first = train(Case(**{**held.__dict__, "max_steps": 2}), model_dir, tmp_path / "a")
+    # The same script, relaunched under the same job while the first run's claim holds.
+    again = make_trainer(
+        Case(**{**held.__dict__, "max_steps": 2, "shorter_from_step": 0}),
+        ONE_PROCESS,
+        model_dir,
+        tmp_path / "b",
+    )
+    model = again.accelerator.unwrap_model(again.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with pytest.raises(RunConflictError) as info:
+            again.train()
+    finally:
+        again.close()
+    err = info.value
+    assert (err.job, err.step, err.run, err.holder) == (
+        "team-held",
+        0,
+        again.reduction_run,
+        first.reduction_run,
+    )
+    assert f"run {first.reduction_run!r} holds job 'team-held'" in str(err)
+    assert "omit job so the default includes the run id" in str(err)
+    # Refused at its first round: no optimizer step, the weights as they were.
+    assert again.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert [step for job, step, _ in sent.rounds if job == "team-held"] == [0, 1, 0]

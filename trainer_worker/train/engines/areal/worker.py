@@ -114,6 +114,7 @@ def reduction_settings(
         on_empty_step=settings.on_empty_step,
         job=job,
         group=REDUCTION_GROUP,
+        run=settings.run,
     )
 
 

@@ -194,6 +194,7 @@ class TrainerWorker(RankActor):
                 self.config.coordinator,
                 job=self.config.job,
                 group=REDUCTION_GROUP,
+                run=self.settings.run or "",
                 rank=self.rank,
                 world_size=self.config.world_size,
                 settings=ClientSettings(

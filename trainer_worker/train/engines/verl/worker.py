@@ -171,6 +171,7 @@ class VerlWorker(RankActor):
             on_empty_step=settings.on_empty_step,
             job=self.config.job,
             group=REDUCTION_GROUP,
+            run=settings.run,
         )
 
     def _model_path(self) -> Path:
