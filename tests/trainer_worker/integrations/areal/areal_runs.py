@@ -28,6 +28,7 @@ import functools
 import math
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ VOCAB = 28
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 
 
-BAD_WEIGHTS = {
+BAD_WEIGHTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "inf_rank1": lambda count: count * math.inf,
     "nan_rank1": lambda count: count * math.nan,
     "negative_rank1": lambda count: -1.0 * count,
