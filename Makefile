@@ -85,18 +85,21 @@ test-verl: $(VERL_VENV)/.installed
 
 # AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal,
 # and tests/trainer_worker/train/engines/areal: lossreduce train --engine areal)
-# run in an environment of their own: lossreduce[areal] pinned by the constraints
-# file, then areal and swanlab without their dependencies (docs/frameworks/areal.md).
+# run in an environment of their own, built by the install commands of
+# docs/frameworks/areal.md, read from the page (documented_install.py: this
+# checkout for lossreduce[areal], editable, its dependencies pinned by the
+# constraints file), then the test tools.
 AREAL_VENV ?= .venv-areal
 AREAL_PY := $(AREAL_VENV)/bin/python
 AREAL_CONSTRAINTS := tests/trainer_worker/integrations/areal/constraints.txt
-$(AREAL_VENV)/.installed: pyproject.toml $(AREAL_CONSTRAINTS)
+AREAL_INSTALL := tests/trainer_worker/integrations/areal/documented_install.py
+$(AREAL_VENV)/.installed: pyproject.toml $(AREAL_CONSTRAINTS) $(AREAL_INSTALL)
 	rm -rf $(AREAL_VENV)
 	$(PYTHON) -m venv $(AREAL_VENV)
 	$(AREAL_PY) -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" $(AREAL_PY) -m pip install --quiet \
-		-c $(AREAL_CONSTRAINTS) -e '.[areal]' pytest pytest-timeout hypothesis
-	$(AREAL_PY) -m pip install --quiet --no-deps areal==1.0.4 swanlab==0.6.12
+	PYTHONWARNINGS="ignore:Editable installation" $(AREAL_PY) $(AREAL_INSTALL) \
+		--python $(AREAL_PY) --constraints $(AREAL_CONSTRAINTS) --editable
+	$(AREAL_PY) -m pip install --quiet -c $(AREAL_CONSTRAINTS) pytest pytest-timeout hypothesis
 	touch $@
 
 test-areal: $(AREAL_VENV)/.installed

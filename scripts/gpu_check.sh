@@ -15,6 +15,10 @@
 #      device-to-host syncs per mini-batch step of each (torch's sync debug mode);
 #   4. lossreduce train --engine verl: verl's FSDP2 actor worker on the GPU (nccl), a few
 #      steps, then --verify against one verl worker in the driver.
+#   5. areal-loop-cuda: AReaL 1.0.4's trainer loop (grpo_launch.py under torchrun, one
+#      CUDA rank, the test's CPU rollout server), LossReducePPOTrainer vs stock PPOTrainer
+#      (scripts/gpu_check_areal.py); runs with AREAL_PYTHON (default
+#      .venv-areal/bin/python: AReaL's environment, with CUDA torch), skipped if absent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv-verl/bin/python}
@@ -44,4 +48,11 @@ check verl-fsdp2-cuda "$PYTHON" scripts/gpu_check_verl.py "$OUT/verl.json"
 [ -f "$OUT/verl.json" ] && cat "$OUT/verl.json"
 check verl-engine-cuda "$BIN/lossreduce" train --engine verl --workers 1 --steps 3 --out "$OUT/verl-engine"
 check verl-engine-verify "$BIN/lossreduce" train --engine verl --workers 1 --verify --out "$OUT/verl-verify"
+AREAL_PYTHON=${AREAL_PYTHON:-.venv-areal/bin/python}
+if [ -x "$AREAL_PYTHON" ]; then
+  check areal-loop-cuda "$AREAL_PYTHON" scripts/gpu_check_areal.py "$OUT/areal.json"
+  [ -f "$OUT/areal.json" ] && cat "$OUT/areal.json"
+else
+  echo "SKIP areal-loop-cuda: no AReaL environment at $AREAL_PYTHON"
+fi
 exit $failed

@@ -28,6 +28,7 @@ import functools
 import math
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ VOCAB = 28
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
 
 
-BAD_WEIGHTS = {
+BAD_WEIGHTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "inf_rank1": lambda count: count * math.inf,
     "nan_rank1": lambda count: count * math.nan,
     "negative_rank1": lambda count: -1.0 * count,
@@ -175,7 +176,7 @@ def use_varlen_attention() -> None:
 def save_model(folder: Path) -> Path:
     """A tiny Qwen2 config and a word-level tokenizer (AReaL loads both from the path)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config
+    from transformers import PreTrainedTokenizerFast
 
     words = ["<pad>", "<eos>", *(chr(c) for c in range(ord("a"), ord("a") + VOCAB - 2))]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="a"))
@@ -183,8 +184,16 @@ def save_model(folder: Path) -> Path:
     PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
     ).save_pretrained(folder)
-    Qwen2Config(
-        vocab_size=VOCAB,
+    tiny_qwen2(VOCAB).save_pretrained(folder)
+    return folder
+
+
+def tiny_qwen2(vocab: int) -> Any:
+    """The tests' Qwen2 config: one layer of width 16; id 0 pads, 1 ends."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
@@ -195,8 +204,7 @@ def save_model(folder: Path) -> Path:
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=1,
-    ).save_pretrained(folder)
-    return folder
+    )
 
 
 # -- one case ---------------------------------------------------------------------------------

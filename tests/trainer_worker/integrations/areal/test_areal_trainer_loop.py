@@ -1,0 +1,146 @@
+"""``LossReducePPOTrainer`` runs AReaL 1.0.4's own trainer loop on CPU.
+
+``grpo_launch.py`` (the launch of docs/frameworks/areal.md) runs under
+``torchrun`` on 2 gloo ranks in AReaL's SPMD mode for 3 steps: AReaL's
+``RLVRWorkflow`` (GRPO, ``n_samples`` 2, a rule reward) generates through
+``RemotevLLMEngine`` from ``rollout_server.py`` (why not vLLM: its docstring),
+AReaL recomputes log-probabilities, computes group-normalized advantages,
+runs the PPO update through the LossReduce actor, and sends the new weights to
+the server from disk after every step. The same script with AReaL's own import
+is the stock run of the A/B comparison (same seed, same server seed).
+
+Two launches (the stock one for one step), 1 to 3 minutes in all on 2 cores.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from tests.conftest import TEST_SETTINGS
+from tests.trainer_worker.integrations.areal import trainer_loop
+
+STEPS = 3
+BATCH = 4  # prompts per step (train_dataset.batch_size)
+SAMPLES = 2  # gconfig.n_samples
+JOB = "areal-loop"
+DOCS = trainer_loop.ROOT / "docs" / "frameworks" / "areal.md"
+
+
+@dataclass
+class Launch:
+    stdout: str
+    server_log: dict[str, Any]
+    weights: dict[int, dict[str, torch.Tensor]]  # version -> what the server received
+    rounds: list[Any]  # the coordinator's rounds of the job (LossReduce only)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("loop")
+    return trainer_loop.save_policy(folder / "model"), trainer_loop.save_prompts(
+        folder / "prompts.jsonl"
+    )
+
+
+def _launch(
+    stock: bool,
+    policy: tuple[Path, Path],
+    work: Path,
+    env: dict[str, str],
+    overrides: tuple[str, ...] = (),
+) -> tuple[str, dict[str, Any], dict[int, dict[str, torch.Tensor]]]:
+    model, prompts = policy
+    run = trainer_loop.launch(
+        stock, work, model=model, prompts=prompts, env=env, overrides=overrides
+    )
+    assert run.done.returncode == 0, f"{run.done.stdout[-4000:]}\n{run.done.stderr[-6000:]}"
+    return run.done.stdout, run.server_log, run.weights
+
+
+@pytest.fixture(scope="module")
+def lossreduce_run(
+    policy: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Launch]:
+    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
+    try:
+        env = {
+            "LOSSREDUCE_MODE": "token_mean",
+            "LOSSREDUCE_NORMALIZER": "coordinator",
+            "LOSSREDUCE_COORDINATOR": thread.target,
+            "LOSSREDUCE_JOB": JOB,
+        }
+        stdout, log, weights = _launch(False, policy, tmp_path_factory.mktemp("lossreduce"), env)
+        rounds = list(thread.coordinator.table.rounds(JOB))
+        yield Launch(stdout, log, weights, rounds)
+    finally:
+        thread.stop()
+
+
+@pytest.fixture(scope="module")
+def stock_run(policy: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    # The comparison needs the first update only.
+    stdout, log, weights = _launch(
+        True, policy, tmp_path_factory.mktemp("stock"), {}, ("total_train_steps=1",)
+    )
+    return Launch(stdout, log, weights, [])
+
+
+def _initial(policy: tuple[Path, Path]) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(policy[0]).state_dict())
+
+
+def test_areals_loop_runs_with_the_lossreduce_trainer(lossreduce_run: Launch) -> None:
+    assert "Training completes" in lossreduce_run.stdout
+    log = lossreduce_run.server_log
+    # Every step's responses came from the server, and every step's weights went back.
+    # AReaL's rollout may start the next step's prompts before the run ends.
+    assert STEPS * BATCH * SAMPLES <= log["completions"] <= (STEPS + 1) * BATCH * SAMPLES
+    assert log["versions"] == [1, 2, 3]
+    assert log["paused"] == STEPS
+    assert log["unknown"] == []
+
+
+def test_lossreduce_normalized_every_update(lossreduce_run: Launch) -> None:
+    rounds = sorted(lossreduce_run.rounds, key=lambda r: r.key.step)
+    assert [r.key.step for r in rounds] == list(range(STEPS))
+    for rnd in rounds:
+        assert rnd.outcome is not None
+        assert rnd.outcome.kind == "completed"
+        values = {v.term: v.value for v in rnd.outcome.normalizers}
+        # token_mean: the step's active response tokens over both ranks.
+        assert 0 < values["pg"] <= BATCH * SAMPLES * 4
+        assert values["rows"] == BATCH * SAMPLES
+    # The same normalizers in AReaL's own stats, once per step.
+    logged = re.findall(r"lossreduce/normalizer/pg\s*│\s*([0-9.e+-]+)", lossreduce_run.stdout)
+    assert [float(v) for v in logged] == [
+        {v.term: v.value for v in r.outcome.normalizers}["pg"] for r in rounds
+    ]
+
+
+def test_stock_and_lossreduce_token_mean_give_the_same_first_update(
+    lossreduce_run: Launch, stock_run: Launch, policy: tuple[Path, Path]
+) -> None:
+    start = _initial(policy)
+    ours, theirs = lossreduce_run.weights[1], stock_run.weights[1]
+    moved = sum(float((theirs[n].double() - start[n].double()).pow(2).sum()) for n in start)
+    assert moved > 0, "the first step did not move the weights"
+    diff = sum(float((ours[n].double() - theirs[n].double()).pow(2).sum()) for n in start)
+    assert (diff / moved) ** 0.5 < 1e-6
+    assert stock_run.server_log["versions"] == [1]
+
+
+def test_the_docs_show_the_launch_the_test_runs() -> None:
+    page = DOCS.read_text()
+    launch = trainer_loop.LAUNCH.read_text()
+    body = launch[launch.index("import sys") :]
+    assert f"```python\n{body}```" in page
