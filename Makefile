@@ -65,17 +65,18 @@ pytest: $(VENV)/.installed-dev
 
 # verl 0.9.1 pins transformers<5.11 (the trl extra needs >=5.24): its tests (the
 # integration's and `lossreduce train --engine verl`'s) run in an environment of
-# their own. verl itself goes in --no-deps (its GPU-only dependencies are never
-# imported on this path); its wheel also installs its own test suite as a
-# top-level `tests` package, which would shadow ours, so that folder is removed.
-VERL_VENV := .venv-verl
-VERL_PY   := $(VERL_VENV)/bin/python
-VERL_REQS := tests/trainer_worker/integrations/verl/requirements.txt
-$(VERL_VENV)/.installed: pyproject.toml $(VERL_REQS)
+# their own, built with exactly the install docs/frameworks/verl.md gives a user
+# (read from the page by documented_install.py; lossreduce editable), plus pytest.
+# verl's wheel also installs its own test suite as a top-level `tests` package,
+# which would shadow ours, so that folder is removed.
+VERL_VENV    := .venv-verl
+VERL_PY      := $(VERL_VENV)/bin/python
+VERL_INSTALL := tests/trainer_worker/integrations/verl/documented_install.py
+$(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL)
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" $(VERL_PY) -m pip install --quiet torch==2.13.0 -e . -r $(VERL_REQS)
-	$(VERL_PY) -m pip install --quiet --no-deps verl==0.9.1
+	PYTHONWARNINGS="ignore:Editable installation" $(PYTHON) $(VERL_INSTALL) --python $(VERL_PY) --editable
+	$(VERL_PY) -m pip install --quiet "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
 	rm -rf "$$($(VERL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
 	touch $@
 

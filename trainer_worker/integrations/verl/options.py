@@ -65,10 +65,13 @@ def actor_problems(actor: Any, settings: VerlReductionSettings) -> list[str]:
     agg = actor.loss_agg_mode
     same = VERL_EQUIVALENT[settings.mode]
     if agg not in {_VERL_DEFAULT_AGG, same}:
+        if same in {None, _VERL_DEFAULT_AGG}:
+            fix = f"leave it at verl's default {_VERL_DEFAULT_AGG!r}"
+        else:
+            fix = f"set {same!r} (the same in verl) or leave verl's default {_VERL_DEFAULT_AGG!r}"
         problems.append(
             f"actor.loss_agg_mode={agg!r} would be silently replaced by lossreduce's mode "
-            f"{settings.mode.value!r}; leave it at {_VERL_DEFAULT_AGG!r}"
-            + (f" or set {same!r}" if same else "")
+            f"{settings.mode.value!r}; {fix}"
         )
     scale = actor.loss_scale_factor
     if scale is not None and (

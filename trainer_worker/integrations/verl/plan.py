@@ -83,10 +83,14 @@ def plan_mini_batch(
     return MiniBatchPlan(weights=plan.weights, partials=partials, contracts=contracts)
 
 
-def bad_inputs(mask: Tensor, inputs: dict[str, Tensor]) -> list[str]:
+def bad_inputs(mask: Tensor, inputs: dict[str, Tensor], rank: int = 0) -> list[str]:
     """Each input (``[B, T]``, like ``mask``) with a NaN or inf where ``mask`` is set,
-    as ``"advantages: nan at 3 active tokens of rows [1, 4]"``; masked positions
-    are ignored (they are zeroed before the loss)."""
+    as ``"advantages: nan at 3 active tokens of rank 1 rows [1, 4] (mini-batch rows
+    [5, 8])"``; masked positions are ignored (they are zeroed before the loss).
+
+    ``mask`` holds data-parallel rank ``rank``'s rows: verl splits a mini-batch into
+    equal chunks in rank order, so rank ``r``'s row ``i`` is the mini-batch's
+    ``r * B + i``, the index a user finds in what the trainer dispatched."""
     active = mask.bool()
     found = []
     for name, values in inputs.items():
@@ -95,6 +99,10 @@ def bad_inputs(mask: Tensor, inputs: dict[str, Tensor]) -> list[str]:
         if count:
             first = float(values[bad][0])
             rows = sorted({int(r) for r in bad.nonzero()[:, 0].tolist()})
+            overall = [rank * mask.shape[0] + r for r in rows]
             what = "nan" if math.isnan(first) else repr(first)
-            found.append(f"{name}: {what} at {count} active tokens of rows {rows}")
+            found.append(
+                f"{name}: {what} at {count} active tokens of rank {rank} rows {rows} "
+                f"(mini-batch rows {overall})"
+            )
     return found

@@ -9,21 +9,42 @@ A launch selects it with ``trainer.v1.trainer_mode=lossreduce``; without the
 entry point (e.g. lossreduce not installed as a package)
 ``VERL_USE_EXTERNAL_MODULES=lossreduce.trainer_worker.integrations.verl.plugin``
 loads it the same way.
+
+It also wraps verl's ``validate_config`` (which ``main_ppo`` calls in the driver,
+before Ray starts) with :func:`~.launch.check_launch`: a launch that gives
+lossreduce's settings to a trainer that would not run them stops there.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
+import verl.utils.config as verl_config
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from lossreduce.trainer_worker.integrations.verl.launch import TRAINER_MODE, check_launch
 from lossreduce.trainer_worker.integrations.verl.worker import LossReduceActorRolloutRefWorker
 
-__all__ = ["TRAINER_MODE", "LossReducePPOTrainer", "actor_worker_mapping"]
+__all__ = ["TRAINER_MODE", "LossReducePPOTrainer", "actor_worker_mapping", "validate_config"]
 
-TRAINER_MODE = "lossreduce"
-"""The ``trainer.v1.trainer_mode`` that selects lossreduce's actor."""
+_verl_validate_config = getattr(
+    verl_config.validate_config, "__wrapped__", verl_config.validate_config
+)
+
+
+def validate_config(config: Any, use_reference_policy: bool, use_critic: bool) -> None:
+    """verl's ``validate_config``, after :func:`~.launch.check_launch`."""
+    check_launch(config)
+    _verl_validate_config(config, use_reference_policy, use_critic)
+
+
+# main_ppo imports validate_config by name after `import verl` has loaded this
+# plugin, so it binds the wrapped one. __wrapped__ keeps a second load idempotent.
+validate_config.__wrapped__ = _verl_validate_config  # type: ignore[attr-defined]
+verl_config.validate_config = validate_config
 
 
 def actor_worker_mapping(mapping: dict[object, object]) -> dict[object, object]:

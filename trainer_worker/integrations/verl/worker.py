@@ -316,7 +316,12 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         ):
             if wanted:
                 inputs[name] = padded(data[name])
-        return plan, bad_inputs(mask.cpu(), {k: v.cpu() for k, v in inputs.items()})
+        found = bad_inputs(
+            mask.cpu(),
+            {k: v.cpu() for k, v in inputs.items()},
+            self.engine.get_data_parallel_rank(),
+        )
+        return plan, found
 
     def _reduce(self, step: int, plan: MiniBatchPlan, bad: list[str]) -> dict[str, float] | None:
         """The step's global normalizers; None for a skipped empty step; or the round's

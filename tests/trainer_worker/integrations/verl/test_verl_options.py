@@ -83,6 +83,13 @@ def test_a_loss_agg_mode_that_would_be_silently_replaced_is_refused(mode: str, a
     divisor = 5.0 if mode == "constant" else None
     (problem,) = actor_problems(actor(loss_agg_mode=agg), settings(mode=mode, divisor=divisor))
     assert f"actor.loss_agg_mode={agg!r}" in problem
+    same = {"seq_mean": "seq-mean-token-mean", "constant": "seq-mean-token-sum-norm"}.get(mode)
+    if same is None:  # token_mean's verl mode is verl's default; prompt_mean has none
+        assert problem.endswith("; leave it at verl's default 'token-mean'")
+    else:
+        assert problem.endswith(
+            f"; set {same!r} (the same in verl) or leave verl's default 'token-mean'"
+        )
     assert mode in problem
 
 
@@ -178,7 +185,11 @@ def test_bad_inputs_name_the_input_its_value_and_rows_and_ignore_masked_position
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = torch.tensor([[0.0, math.nan], [1.0, math.inf]])
     assert bad_inputs(mask, {"advantages": adv}) == [
-        "advantages: nan at 1 active tokens of rows [0]"
+        "advantages: nan at 1 active tokens of rank 0 rows [0] (mini-batch rows [0])"
+    ]
+    # Rank 1 of two ranks' even split holds the mini-batch's rows 2 and 3.
+    assert bad_inputs(mask, {"advantages": adv}, rank=1) == [
+        "advantages: nan at 1 active tokens of rank 1 rows [0] (mini-batch rows [2])"
     ]
     assert bad_inputs(torch.tensor([[1, 0], [1, 0]]), {"advantages": adv}) == []
 

@@ -380,7 +380,9 @@ def test_a_nan_advantage_fails_every_rank_before_any_backward_naming_the_rank(
     culprit, peer = case_results(results, 2, "nan-advantage", ok=False)[::-1]
     assert culprit["error"]["type"] == "InvalidPartialError", culprit.get("traceback")
     assert culprit["error"]["rank"] == 1
-    assert "advantages: nan at 1 active tokens of rows [2]" in culprit["error"]["message"]
+    # Global response 6 of 8 is row 2 of rank 1's half: both are named.
+    message = culprit["error"]["message"]
+    assert "advantages: nan at 1 active tokens of rank 1 rows [2] (mini-batch rows [6])" in message
     assert "rank 1" in culprit["error"]["message"]
     assert peer["error"]["type"] == "RoundAbortedError", peer.get("traceback")
     assert 1 in peer["error"]["ranks"]

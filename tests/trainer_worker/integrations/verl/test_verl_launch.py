@@ -1,0 +1,100 @@
+"""No silent fallback: a verl launch given lossreduce's settings runs the lossreduce
+trainer mode or stops before Ray starts, naming the flag to set.
+
+verl's own config (``ppo_trainer.yaml``, composed by Hydra with a launch's
+overrides) is checked by :func:`check_launch`, and one real ``python -m
+verl.trainer.main_ppo`` shows the plugin's wrap of ``validate_config`` stops the
+launch in its driver.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.verl.launch import check_launch
+
+LOSSREDUCE = ["+actor_rollout_ref.lossreduce.mode=prompt_mean"]
+
+
+def composed(overrides: list[str]) -> Any:
+    """verl's ``ppo_trainer`` config with ``overrides``, as ``main_ppo`` composes it."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        return compose("ppo_trainer", overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.v1.trainer_mode=lossreduce", *LOSSREDUCE],
+        ["trainer.v1.trainer_mode=lossreduce"],  # the settings from LOSSREDUCE_* or defaults
+        [],  # a stock launch
+        ["trainer.v1.trainer_mode=colocate_async"],  # no lossreduce asked for
+    ],
+)
+def test_a_launch_that_runs_what_it_asks_for_passes(overrides: list[str]) -> None:
+    check_launch(composed(overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            LOSSREDUCE,
+            "actor_rollout_ref.lossreduce is set, but trainer.v1.trainer_mode=sync is a trainer "
+            "that trains with verl's own normalization: set trainer.v1.trainer_mode=lossreduce",
+        ),
+        (
+            ["trainer.v1.trainer_mode=colocate_async", *LOSSREDUCE],
+            "trainer.v1.trainer_mode=colocate_async is an asynchronous trainer mode, which "
+            "lossreduce does not run",
+        ),
+        (
+            ["trainer.v1.trainer_mode=separate_async", *LOSSREDUCE],
+            "trainer.v1.trainer_mode=separate_async is an asynchronous trainer mode",
+        ),
+        (
+            ["trainer.use_v1=False", "trainer.v1.trainer_mode=lossreduce", *LOSSREDUCE],
+            "actor_rollout_ref.lossreduce is set, but trainer.use_v1=False runs verl's legacy "
+            "trainer, which trains with verl's own normalization: set trainer.use_v1=True",
+        ),
+        (
+            ["trainer.use_v1=False", "trainer.v1.trainer_mode=lossreduce"],
+            "trainer.v1.trainer_mode=lossreduce, but trainer.use_v1=False",
+        ),
+    ],
+)
+def test_a_launch_that_would_not_run_lossreduce_is_refused_naming_the_flag(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ReductionConfigError, match="set trainer") as caught:
+        check_launch(composed(overrides))
+    assert message in str(caught.value)
+
+
+def test_main_ppo_stops_in_its_driver_before_ray_starts(tmp_path: Path) -> None:
+    """The legacy trainer with lossreduce's settings: the real entry point, in a fresh
+    process that loads the plugin through verl's entry point as a user's does."""
+    env = {**os.environ, "VERL_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", "trainer.use_v1=False", *LOSSREDUCE],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,  # Hydra writes its outputs/ folder here
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "ReductionConfigError" in done.stderr, done.stderr[-3000:]
+    assert "set trainer.use_v1=True" in done.stderr
+    assert "ray init kwargs" not in done.stdout  # stopped before main_ppo starts Ray

@@ -1,0 +1,61 @@
+"""No silent fallback: a verl launch that asks for lossreduce runs lossreduce, or stops.
+
+verl keeps its own normalization in every trainer but the ``lossreduce`` trainer
+mode, and says nothing when lossreduce's settings are given to another one. So
+before verl validates a launch's config (the plugin wraps verl's
+``validate_config``, which ``main_ppo`` calls in the driver before Ray starts),
+:func:`check_launch` refuses, naming the flag to set:
+
+- ``trainer.v1.trainer_mode=lossreduce`` or ``actor_rollout_ref.lossreduce`` with
+  ``trainer.use_v1=False`` (verl's legacy trainer, which builds its own workers);
+- ``actor_rollout_ref.lossreduce`` with any other ``trainer.v1.trainer_mode``:
+  ``sync`` trains verl's own actor, and verl's asynchronous modes
+  (``colocate_async``, ``separate_async``) are refused by name: their actor is
+  verl's, and lossreduce has no asynchronous variant of its trainer mode (tested
+  with the synchronous PPO trainer only).
+
+Reads the config through OmegaConf and imports no verl.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from lossreduce.errors import ReductionConfigError
+
+__all__ = ["ASYNC_TRAINER_MODES", "SETTINGS_KEY", "TRAINER_MODE", "check_launch"]
+
+TRAINER_MODE = "lossreduce"
+"""The ``trainer.v1.trainer_mode`` that selects lossreduce's actor."""
+SETTINGS_KEY = "actor_rollout_ref.lossreduce"
+"""Where a launch gives lossreduce's settings (``+actor_rollout_ref.lossreduce.mode=...``)."""
+ASYNC_TRAINER_MODES = ("colocate_async", "separate_async")
+"""verl 0.9.1's asynchronous trainer modes, which lossreduce refuses by name."""
+
+
+def check_launch(config: Any) -> None:
+    """Raise :class:`ReductionConfigError` if ``config`` (verl's whole launch config) asks
+    for lossreduce in a trainer that would not run it."""
+    given = OmegaConf.select(config, SETTINGS_KEY, default=None) is not None
+    mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
+    use_v1 = bool(OmegaConf.select(config, "trainer.use_v1", default=True))
+    if not use_v1 and (given or mode == TRAINER_MODE):
+        what = f"{SETTINGS_KEY} is set" if given else f"trainer.v1.trainer_mode={TRAINER_MODE}"
+        raise ReductionConfigError(
+            f"{what}, but trainer.use_v1=False runs verl's legacy trainer, which trains with "
+            f"verl's own normalization: set trainer.use_v1=True (verl's default) and "
+            f"trainer.v1.trainer_mode={TRAINER_MODE}"
+        )
+    if given and mode != TRAINER_MODE:
+        why = (
+            "an asynchronous trainer mode, which lossreduce does not run (its trainer mode is "
+            "verl's synchronous PPO trainer)"
+            if mode in ASYNC_TRAINER_MODES
+            else "a trainer that trains with verl's own normalization"
+        )
+        raise ReductionConfigError(
+            f"{SETTINGS_KEY} is set, but trainer.v1.trainer_mode={mode} is {why}: "
+            f"set trainer.v1.trainer_mode={TRAINER_MODE}"
+        )
