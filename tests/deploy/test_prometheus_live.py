@@ -48,6 +48,7 @@ JOB, GROUP = "deploy-live", "actor"
 AGENT_GROUP = "agent"
 """The group of the rounds that go through the node agent."""
 RATE_WINDOW = "5m"  # stands in for Grafana's $__rate_interval; long enough to outlast any wait
+RUN = "dashboard-run"
 WAIT_S = 90.0  # bound on every wait for Prometheus; normally a few seconds
 COMPARISONS = ("==", "!=", ">=", "<=", ">", "<")
 
@@ -298,8 +299,9 @@ def _pair(
 def drive_every_outcome(target: str, base_step: int) -> None:
     """One round of each outcome between ranks 0 and 1, plus a deduplicated retry."""
     with (
-        ReductionClient(target, job=JOB, group=GROUP, rank=0, world_size=2) as r0,
-        ReductionClient(target, job=JOB, group=GROUP, rank=1, world_size=2) as r1,
+        # A run that claims the group, so its holder series has data.
+        ReductionClient(target, job=JOB, group=GROUP, rank=0, world_size=2, run=RUN) as r0,
+        ReductionClient(target, job=JOB, group=GROUP, rank=1, world_size=2, run=RUN) as r1,
     ):
         step = base_step
         ok0, ok1 = _pair(
