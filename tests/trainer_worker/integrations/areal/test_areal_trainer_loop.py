@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from lossreduce.trainer_worker.integrations.areal.actor import ROUNDS_PER_VERSION
 from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.areal import trainer_loop
 
@@ -112,7 +113,9 @@ def test_areals_loop_runs_with_the_lossreduce_trainer(lossreduce_run: Launch) ->
 
 def test_lossreduce_normalized_every_update(lossreduce_run: Launch) -> None:
     rounds = sorted(lossreduce_run.rounds, key=lambda r: r.key.step)
-    assert [r.key.step for r in rounds] == list(range(STEPS))
+    # One round per update, numbered from the weight version it trained (so a
+    # resumed run continues where its checkpoint left off).
+    assert [r.key.step for r in rounds] == [v * ROUNDS_PER_VERSION for v in range(STEPS)]
     for rnd in rounds:
         assert rnd.outcome is not None
         assert rnd.outcome.kind == "completed"
