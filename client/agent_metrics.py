@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from lossreduce.client.aggregator import (
     FALLBACK_INVALID,
     FALLBACK_NODE_TIMEOUT,
+    FALLBACK_REGROUPED,
     FALLBACK_UNKNOWN_RANKS,
 )
 
@@ -42,7 +43,8 @@ class AgentMetrics:
             "lossreduce_agent_fallbacks",
             "Rounds whose local ranks went upstream one by one instead of as one aggregate; "
             "reason: invalid (a local contribution invalid or disagreeing), node_timeout "
-            "(local ranks missing at the node deadline), unknown_ranks (still learning them).",
+            "(local ranks missing at the node deadline), unknown_ranks (still learning them), "
+            "regrouped (an aggregate mixed ranks the coordinator had counted with new ones).",
             ["job", "group", "reason"],
             registry=self.registry,
         )
@@ -121,5 +123,11 @@ class AgentMetrics:
         self.upstream_reconnects.labels(job, group)
         self.upstream_failures.labels(job, group, "UNAVAILABLE")
         self.rejected.labels(job, group, "wrong_node")
-        for reason in (FALLBACK_INVALID, FALLBACK_NODE_TIMEOUT, FALLBACK_UNKNOWN_RANKS):
+        reasons = (
+            FALLBACK_INVALID,
+            FALLBACK_NODE_TIMEOUT,
+            FALLBACK_REGROUPED,
+            FALLBACK_UNKNOWN_RANKS,
+        )
+        for reason in reasons:
             self.fallbacks.labels(job, group, reason)

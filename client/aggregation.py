@@ -19,13 +19,14 @@ from pydantic import Field
 
 from lossreduce.client.expansion import ExpansionOverflowError, exact_expansion
 from lossreduce.client.settings import ClientSettings
-from lossreduce.contribution import Contribution
+from lossreduce.contribution import Contribution, contribution_digest
 from lossreduce.contribution_check import check_contribution
 from lossreduce.v2 import coordinator_pb2 as pb
 
 __all__ = [
     "FALLBACK_INVALID",
     "FALLBACK_NODE_TIMEOUT",
+    "FALLBACK_REGROUPED",
     "FALLBACK_UNKNOWN_RANKS",
     "AggregatorObserver",
     "AggregatorSettings",
@@ -36,6 +37,10 @@ FALLBACK_INVALID: Final = "invalid"
 """A local contribution was invalid or disagreed with its peers: each went up alone."""
 FALLBACK_NODE_TIMEOUT: Final = "node_timeout"
 """Local ranks were missing at the node's deadline: the rest went up as they came."""
+FALLBACK_REGROUPED: Final = "regrouped"
+"""An aggregate mixed ranks the coordinator had counted (grouped otherwise, by a
+restarted agent or before the node's deadline) with ranks it had not: each went
+up again alone."""
 FALLBACK_UNKNOWN_RANKS: Final = "unknown_ranks"
 """The node did not know its local ranks yet (learned from its first successful round)."""
 
@@ -124,5 +129,8 @@ def node_requests(
             [sum(1 for c in ordered if c.values[i] == 0.0) for i in range(len(first.terms))]
         ),
         run=first.run,
+        # Per rank, so a retry of these ranks grouped otherwise (a restarted agent,
+        # a passed deadline) is still recognised rank by rank.
+        rank_digests=tuple(contribution_digest(c) for c in ordered),
     )
     return [aggregated.request(key)]

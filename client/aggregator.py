@@ -48,6 +48,7 @@ from lossreduce.client._wire import RoundContext, decode_status, parse_response
 from lossreduce.client.aggregation import (
     FALLBACK_INVALID,
     FALLBACK_NODE_TIMEOUT,
+    FALLBACK_REGROUPED,
     FALLBACK_UNKNOWN_RANKS,
     AggregatorObserver,
     AggregatorSettings,
@@ -70,6 +71,7 @@ from lossreduce.v2 import coordinator_pb2 as pb
 __all__ = [
     "FALLBACK_INVALID",
     "FALLBACK_NODE_TIMEOUT",
+    "FALLBACK_REGROUPED",
     "FALLBACK_UNKNOWN_RANKS",
     "AggregatorObserver",
     "AggregatorSettings",
@@ -425,6 +427,18 @@ class NodeAggregator:
 
     async def _deliver(self, step: int, state: _Step, send: _Send) -> None:
         response, own = await self._upstream.submit(send.request)
+        if not own and len(send.covered) > 1 and response.error.code == code_pb2.ALREADY_EXISTS:
+            # The coordinator counted some of these ranks in another grouping (this
+            # agent restarted, or its deadline split the round): each goes alone, so
+            # the counted ones get the round's answer and a changed one is named.
+            self._fall_back(state, FALLBACK_REGROUPED)
+            key = pb.RoundKey(job=self.job, group=self.group, step=step)
+            state.sends.remove(send)
+            for rank in send.covered:
+                single = _Send(state.arrived[rank].request(key))
+                state.sends.append(single)
+                single.task = asyncio.create_task(self._deliver(step, state, single))
+            return
         was_settled = state.settled()
         for rank in send.covered:
             state.answers[rank] = response

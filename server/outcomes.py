@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
+from lossreduce.contribution import DIGEST_SIZE
 from lossreduce.errors import InvalidPartialError, LossReduceError, round_error
 
 if TYPE_CHECKING:
@@ -32,9 +33,6 @@ __all__ = [
     "TermNormalizerValue",
     "key_error",
 ]
-
-DIGEST_SIZE = 8
-"""Bytes of one contribution's digest in a :class:`RoundRecord`."""
 
 
 class RoundKey(NamedTuple):

@@ -10,34 +10,13 @@ refused as a conflict when it differs.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-from lossreduce.contribution import Contribution
+from lossreduce.contribution import DIGEST_SIZE, Contribution
 
-from .outcomes import DIGEST_SIZE, RoundRecord
+from .outcomes import RoundRecord
 
-__all__ = ["contribution_digest", "record_of", "restored_reference"]
-
-
-def contribution_digest(c: Contribution) -> bytes:
-    """``DIGEST_SIZE`` bytes identifying ``c`` exactly (what a restarted round compares a
-    re-send against); never all zeros."""
-    # repr round-trips every float exactly; + 0.0 makes -0.0 equal 0.0, as == does.
-    text = repr(
-        (
-            c.rank,
-            c.world_size,
-            c.terms,
-            tuple([v + 0.0 for v in c.values]),
-            c.contracts,
-            c.covers,
-            c.expansions,
-            c.zero_ranks,
-        )
-    )
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
-    return digest if any(digest) else b"\x01" * DIGEST_SIZE
+__all__ = ["record_of", "restored_reference"]
 
 
 def record_of(reference: Contribution, digests: Sequence[bytes | None]) -> RoundRecord:

@@ -14,8 +14,9 @@ schedules each round's deadline itself, and keeps its own per-round state in
 :attr:`Round.handle`. The table decides; its parts judge and compute:
 :mod:`~lossreduce.contribution_check` and ``validation`` (a contribution alone,
 and against its round), ``refusals`` (limits, shutdown, stale steps, another
-run's claim), ``run_claims`` (which run holds each group), ``summation`` (the
-exact sums), ``records`` (what the outcome store keeps of a round),
+run's claim), ``resends`` (re-sent ranks, however grouped), ``run_claims``
+(which run holds each group), ``summation`` (the exact sums), ``records``
+(what the outcome store keeps of a round),
 ``step_window`` (a group's rounds and stale steps) and ``rounds`` (a round and
 an admission).
 """
@@ -26,7 +27,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from lossreduce.contribution import Contribution
+from lossreduce.contribution import Contribution, own_digests
 from lossreduce.contribution_check import ContributionProblem, check_contribution
 from lossreduce.errors import (
     ConflictingContributionError,
@@ -47,11 +48,11 @@ from .outcomes import (
     RejectReason,
     RoundKey,
     RoundObserver,
-    RoundRecord,
     key_error,
 )
-from .records import contribution_digest, record_of
+from .records import record_of
 from .refusals import new_round_refusal, request_limit_error, run_conflict_error
+from .resends import Resend, ResendKind, judge_resend
 from .rounds import Admission, Round, restored_round
 from .run_claims import Claim, ClaimStore, RunClaims
 from .settings import CoordinatorSettings
@@ -134,17 +135,17 @@ class RoundTable:
 
         previous = rnd.contribution_of(c.rank)
         if previous is None and c.covers:
-            # An aggregate overlapping ranks that already arrived is a conflict.
+            # An aggregate overlapping ranks that already arrived: judged rank by rank.
             previous = next(filter(None, map(rnd.contribution_of, c.covers)), None)
         if previous is not None:
-            if previous == c:
+            if previous == c:  # the common retry: the identical request again
                 self._notify_accepted(key, retry=True)
                 return Admission(rnd)
-            return self._conflict(key, previous, c)
+            return self._resend(rnd, c, judge_resend(c, rnd.counted_digest))
         if rnd.record is not None:
-            resent = self._check_resend(rnd, rnd.record, c)
-            if resent is not None:
-                return resent
+            verdict = judge_resend(c, rnd.record.digest_of)
+            if verdict.kind is not ResendKind.NEW:
+                return self._resend(rnd, c, verdict)
 
         # The first contribution's names were judged when it opened the round.
         invalid = check_contribution(c, known_terms=() if created else rnd.reference.terms)
@@ -324,44 +325,52 @@ class RoundTable:
         if self._observer is not None:
             self._observer.contribution_rejected(key, reason)
 
-    def _conflict(self, key: RoundKey, previous: Contribution, c: Contribution) -> Admission:
+    def _resend(self, rnd: Round, c: Contribution, verdict: Resend) -> Admission:
+        """Answer a contribution re-sending ranks the round already counted."""
+        key = rnd.key
+        if verdict.kind is ResendKind.RETRY:
+            self._notify_accepted(key, retry=True)
+            return Admission(rnd)
         self._notify_rejected(key, RejectReason.CONFLICTING)
-        before = format_terms(previous.terms, previous.values)
         after = format_terms(c.terms, c.values)
+        if verdict.kind is ResendKind.MIXED:
+            message = (
+                f"an aggregate of ranks {list(c.ranks)} re-sends ranks {list(verdict.counted)}, "
+                f"already counted, together with ranks {list(verdict.new)}, not counted yet; "
+                "a node sends such ranks alone"
+            )
+            rank, ranks = c.rank, verdict.new
+        else:
+            assert verdict.rank is not None  # CHANGED names the rank
+            rank, ranks = verdict.rank, (verdict.rank,)
+            previous = rnd.contribution_of(rank)
+            sent = f"now sent {after} (world_size {c.world_size})"
+            if c.covers:
+                sent = f"now, in an aggregate of ranks {list(c.ranks)}, sent other partials"
+            if previous is None:
+                before = "other partials to this round before the coordinator restarted"
+            elif previous.covers:
+                before = (
+                    f"other partials, counted in the aggregate of ranks {list(previous.ranks)} "
+                    f"({format_terms(previous.terms, previous.values)})"
+                )
+            else:
+                before = (
+                    f"{format_terms(previous.terms, previous.values)} "
+                    f"(world_size {previous.world_size})"
+                )
+            message = (
+                f"rank {rank} already contributed {before} and {sent}; "
+                "the round keeps the first contribution"
+            )
         err = key_error(
             ConflictingContributionError,
             key,
-            f"rank {c.rank} already contributed {before} "
-            f"(world_size {previous.world_size}) and now sent {after} (world_size {c.world_size}); "
-            "the round keeps the first contribution",
-            rank=c.rank,
+            message,
+            rank=rank,
             terms=c.terms,
             values=c.values,
-            ranks=(c.rank,),
-        )
-        return Admission(None, err)
-
-    def _check_resend(self, rnd: Round, record: RoundRecord, c: Contribution) -> Admission | None:
-        """A rank of a round rebuilt from the store re-sending: the stored outcome when its
-        contribution is the one the round counted, a conflict when it differs, None when
-        the round never counted anything from its ranks."""
-        stored = next(filter(None, map(record.digest_of, c.ranks)), None)
-        if stored is None:
-            return None
-        if stored == contribution_digest(c):
-            self._notify_accepted(rnd.key, retry=True)
-            return Admission(rnd)
-        self._notify_rejected(rnd.key, RejectReason.CONFLICTING)
-        err = key_error(
-            ConflictingContributionError,
-            rnd.key,
-            f"rank {c.rank} already contributed other partials to this round before the "
-            f"coordinator restarted and now sent {format_terms(c.terms, c.values)} "
-            f"(world_size {c.world_size}); the round keeps the first contribution",
-            rank=c.rank,
-            terms=c.terms,
-            values=c.values,
-            ranks=(c.rank,),
+            ranks=ranks,
         )
         return Admission(None, err)
 
@@ -369,8 +378,7 @@ class RoundTable:
     def _keep_digest(rnd: Round, c: Contribution) -> None:
         if not rnd.digests:
             rnd.digests = [None] * rnd.world_size
-        digest = contribution_digest(c)
-        for rank in c.ranks:
+        for rank, digest in own_digests(c).items():
             rnd.digests[rank] = digest
 
     def _reject_invalid(

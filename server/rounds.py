@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lossreduce.contribution import Contribution
+from lossreduce.contribution import Contribution, own_digests
 from lossreduce.errors import LossReduceError
 
 from .outcomes import Outcome, OutcomeKind, RoundKey, RoundRecord, TermNormalizerValue
@@ -70,6 +70,11 @@ class Round:
 
     def contribution_of(self, rank: int) -> Contribution | None:
         return self.contributions[rank] if rank < len(self.contributions) else None
+
+    def counted_digest(self, rank: int) -> bytes | None:
+        """The digest of ``rank``'s own contribution as the round counted it (None: not yet)."""
+        c = self.contribution_of(rank)
+        return None if c is None else own_digests(c)[rank]
 
     def arrived_ranks(self) -> list[int]:
         return [r for r, c in enumerate(self.contributions) if c is not None]

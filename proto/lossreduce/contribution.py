@@ -11,11 +11,17 @@ rules are in :mod:`lossreduce.rules`, and the round table decides.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Final
 
 from lossreduce.v2 import coordinator_pb2 as pb
 
-__all__ = ["Contribution"]
+__all__ = ["DIGEST_SIZE", "Contribution", "contribution_digest", "own_digests"]
+
+DIGEST_SIZE: Final = 8
+"""Bytes of one contribution's digest (a journal's round record, an aggregate's
+``covered_digests``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,9 @@ class Contribution:
     run: str = ""
     """The run the contribution belongs to (every covered rank's); empty from a client
     that names no run."""
+    rank_digests: tuple[bytes, ...] = ()
+    """Aggregated only: :func:`contribution_digest` of each covered rank's own
+    contribution, in ``covers`` order; empty from an aggregator that predates them."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -62,6 +71,7 @@ class Contribution:
             tuple([tuple(p.expansion) for p in parts]) if covers else (),
             tuple([p.zero_ranks for p in parts]) if covers else (),
             request.run,
+            tuple(request.covered_digests) if covers else (),
         )
 
     def request(self, key: pb.RoundKey) -> pb.ReduceRequest:
@@ -73,6 +83,7 @@ class Contribution:
         add = request.partials.add
         if self.covers:
             request.covered_ranks.extend(self.covers)
+            request.covered_digests.extend(self.rank_digests)
             for t, v, c, e, z in zip(
                 self.terms,
                 self.values,
@@ -86,3 +97,38 @@ class Contribution:
             for t, v, c in zip(self.terms, self.values, self.contracts, strict=True):
                 add(term=t, value=v, contract=c)
         return request
+
+
+def contribution_digest(c: Contribution) -> bytes:
+    """``DIGEST_SIZE`` bytes identifying ``c`` exactly (what a re-send is compared
+    against); never all zeros. The run is not part of it: runs are judged first."""
+    # repr round-trips every float exactly; + 0.0 makes -0.0 equal 0.0, as == does.
+    text = repr(
+        (
+            c.rank,
+            c.world_size,
+            c.terms,
+            tuple([v + 0.0 for v in c.values]),
+            c.contracts,
+            c.covers,
+            c.expansions,
+            c.zero_ranks,
+        )
+    )
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
+    return digest if any(digest) else b"\x01" * DIGEST_SIZE
+
+
+def own_digests(c: Contribution) -> dict[int, bytes]:
+    """Each rank ``c`` counts for, and the digest of that rank's own contribution.
+
+    A single rank's is :func:`contribution_digest`; an aggregate's come from its
+    ``rank_digests``. An aggregate without them (an older aggregator) can only be
+    matched whole, so every covered rank gets the aggregate's own digest.
+    """
+    if not c.covers:
+        return {c.rank: contribution_digest(c)}
+    if len(c.rank_digests) == len(c.covers):
+        return dict(zip(c.covers, c.rank_digests, strict=True))
+    whole = contribution_digest(c)
+    return dict.fromkeys(c.covers, whole)

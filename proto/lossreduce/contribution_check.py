@@ -16,7 +16,7 @@ import math
 from enum import StrEnum
 from typing import NamedTuple
 
-from lossreduce.contribution import Contribution
+from lossreduce.contribution import DIGEST_SIZE, Contribution
 from lossreduce.errors import format_terms
 from lossreduce.rules import check_partial, check_term_name
 
@@ -127,6 +127,14 @@ def _check_cover(c: Contribution) -> ContributionProblem | None:
         return ContributionProblem(
             f"covers rank {covers[-1]}, outside world_size {c.world_size}",
             ProblemKind.RANK_OUT_OF_RANGE,
+        )
+    if c.rank_digests and (
+        len(c.rank_digests) != len(covers) or any(len(d) != DIGEST_SIZE for d in c.rank_digests)
+    ):
+        return ContributionProblem(
+            f"sent {len(c.rank_digests)} covered_digests for {len(covers)} covered ranks; "
+            f"give one {DIGEST_SIZE}-byte digest per covered rank, or none",
+            ProblemKind.BAD_AGGREGATE,
         )
     n = len(c.terms)
     if len(c.expansions) != n or len(c.zero_ranks) != n:

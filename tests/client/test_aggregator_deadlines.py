@@ -117,6 +117,59 @@ def test_a_local_straggler_after_the_node_deadline_still_joins_the_round(coordin
     assert results == [{"n": 4.0}] * 4, results
 
 
+def restarted(target: str, local_ranks: tuple[int, ...]) -> NodeAggregator:
+    """A fresh aggregator for a node whose agent restarted (it remembers nothing)."""
+    settings = AggregatorSettings(node_timeout_s=NODE_TIMEOUT_S)
+    return NodeAggregator(
+        target, job="deadline", group="actor", local_ranks=local_ranks, world_size=4,
+        settings=settings,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 60.0}], indirect=True)
+def test_after_an_agent_restart_retries_grouped_otherwise_get_the_rounds_answer(coordinator):
+    """Node A's aggregate of ranks 0 and 1 was counted and the round completed; its
+    agent restarts and only rank 0 retries: at the new agent's deadline it goes up
+    alone (a part of the counted aggregate) and gets the round's answer."""
+
+    async def body(a: NodeAggregator, b: NodeAggregator) -> list[Any]:
+        first = await asyncio.gather(contribute(a, 0), contribute(a, 1), contribute(b, 2),
+                                     contribute(b, 3))  # fmt: skip
+        again = restarted(coordinator.target, (0, 1))
+        try:
+            retry = await contribute(again, 0)
+        finally:
+            await again.close()
+        return [*first, retry]
+
+    results = run(lambda: two_nodes(coordinator.target, body))
+    assert results == [{"n": 4.0}] * 5, results
+
+
+@pytest.mark.parametrize("coordinator", [{"round_timeout_s": 60.0}], indirect=True)
+def test_after_an_agent_restart_counted_and_new_ranks_go_up_alone(coordinator):
+    """Node A sent rank 0 at its deadline (rank 1 late), then its agent restarted; the
+    new agent aggregates the retrying rank 0 with rank 1's first arrival. The
+    coordinator refuses that mix, the agent sends each alone, and the round completes
+    for every rank with each rank counted once."""
+
+    async def body(a: NodeAggregator, b: NodeAggregator) -> list[Any]:
+        early = contribute(a, 0)
+        await coordinator_has(coordinator.target, (0,))
+        rest = [contribute(b, 2), contribute(b, 3)]
+        await coordinator_has(coordinator.target, (0, 2, 3))
+        early.cancel()  # the old agent died with rank 0's answer
+        again = restarted(coordinator.target, (0, 1))
+        try:
+            regrouped = [contribute(again, 0), contribute(again, 1)]
+            return await asyncio.gather(*regrouped, *rest, return_exceptions=True)
+        finally:
+            await again.close()
+
+    results = run(lambda: two_nodes(coordinator.target, body))
+    assert results == [{"n": 4.0}] * 4, results
+
+
 @pytest.mark.parametrize("coordinator", [{"round_timeout_s": 0.5}], indirect=True)
 def test_a_local_rank_that_never_comes_gets_every_rank_the_coordinators_timeout(coordinator):
     """Rank 1 never arrives: node A's rank 0 gets the same RoundTimeoutError,

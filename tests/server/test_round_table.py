@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from lossreduce.client.aggregator import node_requests
 from lossreduce.errors import (
     ConflictingContributionError,
     ContractMismatchError,
@@ -36,7 +35,6 @@ from lossreduce.server import (
     RoundTable,
 )
 from lossreduce.server.run_claims import ClaimRecord
-from lossreduce.v2 import coordinator_pb2 as pb
 
 KEY = RoundKey("job-a", "actor", 7)
 
@@ -654,29 +652,6 @@ def test_an_outcome_stored_without_its_record_still_refuses_other_terms() -> Non
     assert isinstance(err, ContractMismatchError)
     assert "rank 1 sent terms ['kl'] but the round completed with terms ['tok']" in err.message
     assert err.terms == ("kl", "tok")
-
-
-def test_after_a_restart_aggregated_contributions_are_checked_like_single_ranks() -> None:
-    terms, contracts = ("tok",), ("mean:tok",)
-    key = pb.RoundKey(job=KEY.job, group=KEY.group, step=KEY.step)
-
-    def node(ranks: list[int], value: float) -> Contribution:
-        (request,) = node_requests(
-            key, [Contribution(r, 4, terms, (value,), contracts) for r in ranks]
-        )
-        return Contribution.from_request(request)
-
-    first = node([0, 1, 2], 1.0)
-    restarted, store = _restart_after((first, 0.0), (contribution(3, 4, tok=2.0), 0.0))
-    assert answer(restarted.contribute(KEY, first, 0.0), 0) is store.outcomes[KEY]
-    for conflicting, rank in (
-        (node([0, 1, 2], 7.0), 0),  # the same node, other partials
-        (node([1, 2], 1.0), 1),  # overlaps the node's ranks
-        (contribution(2, 4, tok=1.0), 2),  # one of its ranks alone
-    ):
-        err = answer(restarted.contribute(KEY, conflicting, 0.0), rank)
-        assert isinstance(err, ConflictingContributionError), conflicting
-        assert f"rank {rank} already contributed" in err.message
 
 
 def test_limits_hold_in_a_group_that_already_exists() -> None:

@@ -46,20 +46,22 @@ class TermPartial(_message.Message):
     def __init__(self, term: _Optional[str] = ..., value: _Optional[float] = ..., contract: _Optional[str] = ..., expansion: _Optional[_Iterable[float]] = ..., zero_ranks: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("round", "rank", "world_size", "partials", "covered_ranks", "run")
+    __slots__ = ("round", "rank", "world_size", "partials", "covered_ranks", "run", "covered_digests")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     COVERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    COVERED_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     round: RoundKey
     rank: int
     world_size: int
     partials: _containers.RepeatedCompositeFieldContainer[TermPartial]
     covered_ranks: _containers.RepeatedScalarFieldContainer[int]
     run: str
-    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., partials: _Optional[_Iterable[_Union[TermPartial, _Mapping]]] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., run: _Optional[str] = ...) -> None: ...
+    covered_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., partials: _Optional[_Iterable[_Union[TermPartial, _Mapping]]] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., run: _Optional[str] = ..., covered_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TermNormalizer(_message.Message):
     __slots__ = ("term", "value", "zero_ranks")
