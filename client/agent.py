@@ -38,18 +38,17 @@ import dataclasses
 import hmac
 import math
 import threading
-from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
 import grpc
-from google.rpc import code_pb2
 from grpc_status import rpc_status
-from pydantic import Field, field_validator
 
 from lossreduce.client._transport import call_metadata, open_channel, status_of
 from lossreduce.client.agent_metrics import AgentMetrics
-from lossreduce.client.aggregator import AggregatorSettings, NodeAggregator
+from lossreduce.client.agent_service import AgentServicer, server_options
+from lossreduce.client.agent_settings import AgentSettings
+from lossreduce.client.aggregator import NodeAggregator
 from lossreduce.contribution import Contribution
 from lossreduce.errors import (
     AuthenticationError,
@@ -67,143 +66,6 @@ from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 __all__ = ["AgentSettings", "NodeAgent", "NodeAgentThread"]
 
 _BEARER = "bearer "
-
-
-class AgentSettings(AggregatorSettings):
-    """A node agent: where its ranks connect, which ranks it serves, and (inherited)
-    how it talks to the coordinator: token, TLS, deadlines, retries, node timeout."""
-
-    node_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description=(
-            "Seconds the agent waits for all its local ranks of a round before it hands the "
-            "coordinator the ranks that arrived (and each later one as it arrives). Ranks of "
-            "one node run in step, so this is short: past it the round only loses its "
-            "aggregation, and a round that failed elsewhere (a rank at the wrong agent) "
-            "reaches this node's ranks within it."
-        ),
-    )
-    host: str = Field(
-        default="127.0.0.1",
-        description=(
-            "Address the agent listens on for its ranks; they run on the same node, so "
-            "loopback by default."
-        ),
-    )
-    port: int = Field(default=0, ge=0, le=65535, description="Port for the ranks; 0 picks one.")
-    metrics_port: int | None = Field(
-        default=None,
-        ge=0,
-        le=65535,
-        description="Port of the agent's Prometheus /metrics endpoint; 0 picks one, None: off.",
-    )
-    local_ranks: tuple[int, ...] | None = Field(
-        default=None,
-        description=(
-            "Ranks this agent serves (a rank outside them is refused by name). None: the "
-            "ranks of its first successful round, which it forwards one by one."
-        ),
-    )
-    shutdown_grace_s: float = Field(
-        default=5.0,
-        ge=0,
-        description="On stop, seconds rounds already sent upstream get to be answered.",
-    )
-
-    @field_validator("local_ranks")
-    @classmethod
-    def _distinct_ranks(cls, ranks: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if ranks is None:
-            return None
-        if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
-            raise ValueError(f"local_ranks must be distinct ranks >= 0, at least one; got {ranks}")
-        return tuple(sorted(ranks))
-
-
-def _server_options(settings: AgentSettings) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # Ranks ping their idle stream between steps (ClientSettings.keepalive_time_s).
-        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.so_reuseport", 0),
-    ]
-
-
-class _AgentServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore[misc]
-    """The coordinator's service, answered by a :class:`NodeAgent`."""
-
-    def __init__(self, agent: NodeAgent) -> None:
-        self._agent = agent
-
-    async def Reduce(  # noqa: N802 (gRPC method name)
-        self, request: pb.ReduceRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ReduceResponse:
-        await self._agent.authorize(context)
-        response = await self._agent.answer(request)
-        if response.error.code != code_pb2.OK:
-            await context.abort_with_status(rpc_status.to_status(response.error))
-        return response
-
-    async def ReduceStream(  # noqa: N802 (gRPC method name)
-        self,
-        request_iterator: AsyncIterator[pb.ReduceRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[pb.ReduceResponse]:
-        await self._agent.authorize(context)
-        # Requests are taken as they arrive (a rank may pipeline several steps) and
-        # answered strictly in request order, as the coordinator does.
-        pending: asyncio.Queue[asyncio.Task[pb.ReduceResponse] | None] = asyncio.Queue()
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    pending.put_nowait(asyncio.create_task(self._agent.answer(request)))
-            finally:
-                pending.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        answers: list[asyncio.Task[pb.ReduceResponse]] = []
-        try:
-            while (task := await pending.get()) is not None:
-                answers.append(task)
-                yield await task
-                answers.remove(task)
-        finally:
-            reader.cancel()
-            # A rank that went away: its contributions stay in their rounds.
-            for task in answers:
-                task.cancel()
-            await asyncio.gather(reader, *answers, return_exceptions=True)
-
-    async def GetRound(  # noqa: N802 (gRPC method name)
-        self, request: pb.GetRoundRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RoundStatus:
-        status: pb.RoundStatus = await self._forward("GetRound", request, context)
-        return status
-
-    async def ListRounds(  # noqa: N802 (gRPC method name)
-        self, request: pb.ListRoundsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ListRoundsResponse:
-        rounds: pb.ListRoundsResponse = await self._forward("ListRounds", request, context)
-        return rounds
-
-    async def _forward(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> Any:
-        """Ask the coordinator with the agent's credentials, within the caller's deadline."""
-        await self._agent.authorize(context)
-        call = getattr(self._agent.upstream_stub(), method)
-        try:
-            return await call(
-                request, timeout=context.time_remaining(), metadata=self._agent.metadata
-            )
-        except grpc.aio.AioRpcError as exc:
-            await context.abort_with_status(self._agent.upstream_status(exc))
-            raise  # abort_with_status raises; this only tells mypy
 
 
 class NodeAgent:
@@ -275,8 +137,8 @@ class NodeAgent:
     async def start(self) -> None:
         """Bind (``port`` 0 picks one), start serving, and return; raises OSError
         when the address cannot be bound."""
-        server = grpc.aio.server(options=_server_options(self.settings))
-        pb_grpc.add_ReductionCoordinatorServicer_to_server(_AgentServicer(self), server)
+        server = grpc.aio.server(options=server_options(self.settings))
+        pb_grpc.add_ReductionCoordinatorServicer_to_server(AgentServicer(self), server)
         address = f"{self.settings.host}:{self.settings.port}"
         try:
             port = server.add_insecure_port(address)

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 
 from lossreduce.client import ClientSettings
-from lossreduce.client.agent import AgentSettings, _server_options
+from lossreduce.client.agent import AgentSettings
+from lossreduce.client.agent_service import server_options
 from lossreduce.server import CoordinatorSettings
 from tests.netns.cluster import Cluster
 from tests.netns.faults import SLACK_S, dialed, exact, served, until_gone
@@ -64,7 +65,7 @@ def test_default_ping_rates_are_within_every_ping_policy() -> None:
     """A client pings at twice the shortest interval the coordinator, and an agent toward
     its ranks, tolerate (the ratio the network test above shows to be safe); the
     coordinator's own pings and timeouts detect a silent client as fast as a client does."""
-    agent_min_s = dict(_server_options(AgentSettings()))[
+    agent_min_s = dict(server_options(AgentSettings()))[
         "grpc.http2.min_ping_interval_without_data_ms"
     ]
     assert CLIENT.keepalive_time_s >= 2 * SERVER.keepalive_min_ping_interval_s
