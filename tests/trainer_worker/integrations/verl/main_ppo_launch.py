@@ -47,8 +47,8 @@ def write_inputs(folder: Path) -> Inputs:
     """The model, tokenizer, dataset and reward function of a run, under ``folder``."""
     import pandas as pd
 
-    model = tiny_verl.save_model(folder / "model")
-    tok = tiny_verl.tokenizer()
+    model = tiny_verl.save_model(folder / "model", chat=True)
+    tok = tiny_verl.tokenizer(chat=True)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(model)
     letters = tiny_verl.WORDS[2:]
