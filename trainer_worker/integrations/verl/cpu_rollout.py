@@ -25,6 +25,7 @@ Load it in every process with ``VERL_USE_EXTERNAL_MODULES`` (beside
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,13 +60,30 @@ def server_name(replica_rank: int) -> str:
 class CpuRolloutServer:
     """One replica's policy copy on CPU, answering verl's token-in, token-out requests."""
 
-    def __init__(self, model_path: str, response_length: int, seed: int) -> None:
+    def __init__(
+        self, model_path: str, response_length: int, seed: int, deterministic: bool = False
+    ) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, torch_dtype=torch.float32, attn_implementation="eager"
+            model_path, dtype=torch.float32, attn_implementation="eager"
         ).eval()
         self.response_length = response_length
+        self.seed = seed
+        self.deterministic = deterministic
         self.generator = torch.Generator().manual_seed(seed)
         self.global_steps: int | None = None
+
+    def _generator(self, request_id: str) -> torch.Generator:
+        """The request's sampling stream.
+
+        With ``rollout.full_determinism`` verl names each request by its sample's
+        place in the batch, so a stream seeded from (seed, weight version, request)
+        gives the same responses whichever replica serves the request and in
+        whichever order the agent loop sends them; otherwise one stream per server.
+        """
+        if not self.deterministic:
+            return self.generator
+        key = f"{self.seed}/{self.global_steps}/{request_id}".encode()
+        return torch.Generator().manual_seed(zlib.crc32(key))
 
     def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None) -> None:
         """Load the actor's full tensors (HF names) after an update."""
@@ -87,7 +105,8 @@ class CpuRolloutServer:
         **_unused: Any,  # verl's multimodal and priority fields: none on this path
     ) -> TokenOutput:
         """One response to ``prompt_ids``, sampled at ``sampling_params``'s temperature."""
-        del request_id, image_data, video_data
+        del image_data, video_data
+        generator = self._generator(request_id)
         temperature = float(sampling_params.get("temperature", 1.0))
         budget = int(sampling_params.get("max_tokens") or self.response_length)
         ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, P]
@@ -102,7 +121,7 @@ class CpuRolloutServer:
             logits = out.logits[0, -1].float()  # [V]
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, dim=-1)  # [V]
-                token = int(torch.multinomial(logp.exp(), 1, generator=self.generator))
+                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
             else:
                 logp = torch.log_softmax(logits, dim=-1)
                 token = int(logp.argmax())
@@ -171,7 +190,9 @@ class CpuRolloutReplica(RolloutReplica):  # type: ignore[misc]
                 # An HFModelConfig's local copy, or the launch's path as a DictConfig.
                 model_path=getattr(self.model_config, "local_path", None) or self.model_config.path,
                 response_length=int(config.response_length),
-                seed=int(config.seed or 0) + self.replica_rank,
+                # Under full determinism the request, not the replica, picks the stream.
+                seed=int(config.seed or 0) + (0 if config.full_determinism else self.replica_rank),
+                deterministic=bool(config.full_determinism),
             )
         )
         await server.wake_up.remote()

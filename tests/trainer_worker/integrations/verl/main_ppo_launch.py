@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +22,13 @@ from typing import Any
 from tests.trainer_worker.integrations.verl import tiny_verl
 from tests.trainer_worker.integrations.verl.verl_runs import VERL_ENV
 
+LOSSREDUCE = [
+    "trainer.v1.trainer_mode=lossreduce",
+    "+actor_rollout_ref.lossreduce.mode=prompt_mean",
+    "+actor_rollout_ref.lossreduce.normalizer=coordinator",
+]
+"""The launch's lossreduce part: the trainer mode, the mode, and the job's own
+coordinator actor (no address)."""
 EXTERNAL_MODULES = ",".join(
     [
         "lossreduce.trainer_worker.integrations.verl.cpu_platform",
@@ -30,8 +38,13 @@ EXTERNAL_MODULES = ",".join(
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return 1.0 if ground_truth in solution_str.split() else 0.0
+    letters = [c for c in solution_str if c.isalpha()]
+    return sum(c in ground_truth for c in letters) / max(len(letters), 1)
 """
+GOOD = "abcdefghijklm"
+"""The reward: the share of the response's letters among these (a dense score, so
+GRPO's advantages, and with them the first update, are not all zero). verl decodes
+with ``skip_special_tokens``, which joins the word-level tokens without spaces."""
 PROMPTS = 8
 STEPS = 3
 
@@ -56,7 +69,7 @@ def write_inputs(folder: Path) -> Inputs:
         {
             "data_source": "letters",
             "prompt": [{"role": "user", "content": f"{letters[i]} {letters[i + 1]}"}],
-            "reward_model": {"style": "rule", "ground_truth": letters[i + 2]},
+            "reward_model": {"style": "rule", "ground_truth": GOOD},
             "extra_info": {"index": i},
         }
         for i in range(PROMPTS)
@@ -68,8 +81,11 @@ def write_inputs(folder: Path) -> Inputs:
     return Inputs(model=model, train=train, reward=reward)
 
 
-def overrides(inputs: Inputs, *, seed: int = 1) -> list[str]:
-    """The CPU run's Hydra overrides (data, model, sizes, CPU) without the trainer mode."""
+def overrides(
+    inputs: Inputs, *, seed: int = 1, steps: int = STEPS, cuda: bool = False
+) -> list[str]:
+    """The run's Hydra overrides (data, model, sizes) without the trainer mode: on 2 CPU
+    ranks, or with ``cuda`` on one GPU (scripts/gpu_check.sh)."""
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={inputs.train}",
@@ -84,7 +100,8 @@ def overrides(inputs: Inputs, *, seed: int = 1) -> list[str]:
         "actor_rollout_ref.model.use_remove_padding=False",
         "+actor_rollout_ref.model.override_config.attn_implementation=eager",
         "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        # Two mini-batches (optimizer steps) per training step.
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.optim.lr=1e-2",
@@ -94,13 +111,14 @@ def overrides(inputs: Inputs, *, seed: int = 1) -> list[str]:
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.seed={seed}",
+        "actor_rollout_ref.rollout.full_determinism=True",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"reward.custom_reward_function.path={inputs.reward}",
-        "trainer.n_gpus_per_node=2",
+        f"trainer.n_gpus_per_node={1 if cuda else 2}",
         "trainer.nnodes=1",
-        f"trainer.total_training_steps={STEPS}",
+        f"trainer.total_training_steps={steps}",
         "trainer.logger=[console,file]",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
@@ -109,10 +127,45 @@ def overrides(inputs: Inputs, *, seed: int = 1) -> list[str]:
         # verl's TransferQueue, agent-loop and reward actors each ask for a CPU: more
         # logical CPUs than the machine's 2 keep them from waiting on the workers'.
         "ray_kwargs.ray_init.num_cpus=16",
-        # verl checks the cluster for GPUs before it places its workers (on the CPU
-        # platform they then ask for CPUs): two logical ones, never used.
-        "+ray_kwargs.ray_init.num_gpus=2",
-    ]
+    ] + (
+        []
+        if cuda
+        else [
+            # verl checks the cluster for GPUs before it places its workers (on the CPU
+            # platform they then ask for CPUs): two logical ones, never used.
+            "+ray_kwargs.ray_init.num_gpus=2",
+        ]
+    )
+
+
+def launch_env(*, cuda: bool = False) -> dict[str, str]:
+    """The environment a launch sets: the CPU rollout, and on CPU verl's CPU platform."""
+    if cuda:
+        return {
+            "VERL_USE_EXTERNAL_MODULES": "lossreduce.trainer_worker.integrations.verl.cpu_rollout"
+        }
+    return {
+        "VERL_PLATFORM": VERL_ENV["VERL_PLATFORM"],
+        "VERL_ENGINE_DEVICE": VERL_ENV["VERL_ENGINE_DEVICE"],
+        "VERL_USE_EXTERNAL_MODULES": EXTERNAL_MODULES,
+    }
+
+
+def documented_command(work: str = "$WORK") -> str:
+    """The launch as docs/frameworks/verl.md shows it: :func:`launch_env`, and
+    ``main_ppo`` with :func:`overrides` of inputs written under ``work`` plus
+    :data:`LOSSREDUCE`."""
+    inputs = Inputs(
+        model=Path(f"{work}/model"),
+        train=Path(f"{work}/train.parquet"),
+        reward=Path(f"{work}/reward.py"),
+    )
+    env = [f"{key}={value}" for key, value in launch_env().items()]
+    lines = [*env, "python -m verl.trainer.main_ppo"]
+    # Quoted where the shell would glob (``[console,file]``), not where it expands $WORK.
+    args = [shlex.quote(a) if "[" in a else a for a in [*overrides(inputs), *LOSSREDUCE]]
+    lines += [f"    {arg}" for arg in args]
+    return " \\\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -122,14 +175,18 @@ class Launch:
     steps: list[dict[str, Any]]
 
 
-def run_main_ppo(folder: Path, args: list[str], timeout: float = 600) -> Launch:
+def run_main_ppo(
+    folder: Path, args: list[str], timeout: float = 600, *, cuda: bool = False
+) -> Launch:
     """``python -m verl.trainer.main_ppo *args`` in a fresh process (its own local Ray),
     verl's file logger writing to ``folder/metrics.jsonl``."""
     metrics = folder / "metrics.jsonl"
+    cpu_only = ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "VERL_USE_EXTERNAL_MODULES")
+    base = {k: v for k, v in VERL_ENV.items() if not (cuda and k in cpu_only)}
     env = {
         **os.environ,
-        **VERL_ENV,
-        "VERL_USE_EXTERNAL_MODULES": EXTERNAL_MODULES,
+        **base,
+        **launch_env(cuda=cuda),
         "VERL_FILE_LOGGER_PATH": str(metrics),
         "PYTHONWARNINGS": "ignore",
         "RAY_DEDUP_LOGS": "0",
