@@ -71,18 +71,25 @@ class CpuRolloutServer:
         self.deterministic = deterministic
         self.generator = torch.Generator().manual_seed(seed)
         self.global_steps: int | None = None
+        # How many requests for each prompt this weight version has answered.
+        self.asked: dict[tuple[int, ...], int] = {}
 
-    def _generator(self, request_id: str) -> torch.Generator:
+    def _generator(self, prompt_ids: list[int]) -> torch.Generator:
         """The request's sampling stream.
 
-        With ``rollout.full_determinism`` verl names each request by its sample's
-        place in the batch, so a stream seeded from (seed, weight version, request)
-        gives the same responses whichever replica serves the request and in
-        whichever order the agent loop sends them; otherwise one stream per server.
+        With ``rollout.full_determinism``, a stream of its own seeded from the seed,
+        the weight version, the prompt and how many times this version was asked
+        for it before: the same responses whatever order the agent loop's requests
+        arrive in (the samples of one prompt are interchangeable). verl's TransferQueue
+        agent loop names every request ``det-0`` then, so the name cannot tell them
+        apart. Otherwise one stream per server.
         """
         if not self.deterministic:
             return self.generator
-        key = f"{self.seed}/{self.global_steps}/{request_id}".encode()
+        prompt = tuple(prompt_ids)
+        nth = self.asked.get(prompt, 0)
+        self.asked[prompt] = nth + 1
+        key = f"{self.seed}/{self.global_steps}/{list(prompt)}/{nth}".encode()
         return torch.Generator().manual_seed(zlib.crc32(key))
 
     def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None) -> None:
@@ -93,6 +100,7 @@ class CpuRolloutServer:
         assert not result.unexpected_keys, result.unexpected_keys
         assert set(result.missing_keys) <= tied, result.missing_keys
         self.global_steps = global_steps
+        self.asked.clear()
 
     @torch.no_grad()
     def generate(
@@ -105,8 +113,8 @@ class CpuRolloutServer:
         **_unused: Any,  # verl's multimodal and priority fields: none on this path
     ) -> TokenOutput:
         """One response to ``prompt_ids``, sampled at ``sampling_params``'s temperature."""
-        del image_data, video_data
-        generator = self._generator(request_id)
+        del request_id, image_data, video_data
+        generator = self._generator(prompt_ids)
         temperature = float(sampling_params.get("temperature", 1.0))
         budget = int(sampling_params.get("max_tokens") or self.response_length)
         ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, P]
@@ -213,7 +221,10 @@ class CpuRolloutAdapter(BaseRollout):  # type: ignore[misc]
             * rollout.pipeline_model_parallel_size
         )
         # verl's replicas take consecutive training ranks, as its vLLM adapter counts them.
-        self.replica_rank = int(os.environ["RANK"]) // per_replica
+        rank = int(os.environ["RANK"])
+        self.replica_rank = rank // per_replica
+        # The server holds one full copy: the replica's first rank sends it.
+        self.sends = rank % per_replica == 0
 
     async def resume(self, tags: list[str]) -> None:
         return None
@@ -234,7 +245,10 @@ class CpuRolloutAdapter(BaseRollout):  # type: ignore[misc]
         # The naive sync of full tensors; LoRA adapters are not on this path.
         assert wire_format == "named_tensors", wire_format
         assert peft_config is None, peft_config
+        # Every rank reads the iterator: the full tensors are gathered across ranks.
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+        if not self.sends:
+            return
         server = ray.get_actor(server_name(self.replica_rank), namespace=NAMESPACE)
         await server.update_weights.remote(state, global_steps)
 

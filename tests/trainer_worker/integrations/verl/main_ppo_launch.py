@@ -109,7 +109,9 @@ def overrides(
         "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
         "actor_rollout_ref.rollout.name=cpu",
         "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        # One rollout replica for both ranks (the CPU server does not shard): one server
+        # answers every request, so the per-prompt streams of full determinism hold.
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={1 if cuda else 2}",
         f"actor_rollout_ref.rollout.seed={seed}",
         "actor_rollout_ref.rollout.full_determinism=True",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
