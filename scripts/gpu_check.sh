@@ -19,6 +19,10 @@
 #      CUDA rank, the test's CPU rollout server), LossReducePPOTrainer vs stock PPOTrainer
 #      (scripts/gpu_check_areal.py); runs with AREAL_PYTHON (default
 #      .venv-areal/bin/python: AReaL's environment, with CUDA torch), skipped if absent.
+#   6. verl-main-ppo-cuda: verl's own main_ppo with trainer.v1.trainer_mode=lossreduce
+#      (the launch of docs/frameworks/verl.md) on one CUDA rank, generation from
+#      lossreduce's CPU rollout, 3 GRPO steps, one coordinator round per mini-batch
+#      (scripts/gpu_check_verl_main_ppo.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv-verl/bin/python}
@@ -48,6 +52,8 @@ check verl-fsdp2-cuda "$PYTHON" scripts/gpu_check_verl.py "$OUT/verl.json"
 [ -f "$OUT/verl.json" ] && cat "$OUT/verl.json"
 check verl-engine-cuda "$BIN/lossreduce" train --engine verl --workers 1 --steps 3 --out "$OUT/verl-engine"
 check verl-engine-verify "$BIN/lossreduce" train --engine verl --workers 1 --verify --out "$OUT/verl-verify"
+check verl-main-ppo-cuda "$PYTHON" scripts/gpu_check_verl_main_ppo.py "$OUT/verl-main-ppo.json"
+[ -f "$OUT/verl-main-ppo.json" ] && cat "$OUT/verl-main-ppo.json"
 AREAL_PYTHON=${AREAL_PYTHON:-.venv-areal/bin/python}
 if [ -x "$AREAL_PYTHON" ]; then
   check areal-loop-cuda "$AREAL_PYTHON" scripts/gpu_check_areal.py "$OUT/areal.json"

@@ -12,10 +12,14 @@ a GPU run never imports it. It imports nothing of lossreduce beyond this.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+import verl.utils.distributed as verl_distributed
+import verl.utils.fsdp_utils as verl_fsdp_utils
+from torch.distributed.fsdp import CPUOffloadPolicy
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
@@ -47,6 +51,36 @@ def _device_module() -> Any:
         reset_peak_memory_stats=_nothing,
         mem_get_info=lambda *_: (0, 0),
     )
+
+
+def _gloo_process_group(timeout_second: int | None = None, backend: str | None = None) -> Any:
+    # verl's default backend string is "cpu:gloo,<device>:<collective>", which torch
+    # refuses when the device is the CPU ("cpu:gloo,cpu:gloo"): plain gloo instead.
+    return _verl_init_process_group(timeout_second=timeout_second, backend=backend or "gloo")
+
+
+# verl's Ray workers (main_ppo's) join torch.distributed through this function,
+# imported by name after `import verl` has loaded this module.
+_verl_init_process_group = getattr(
+    verl_distributed.initialize_global_process_group_ray,
+    "__wrapped__",
+    verl_distributed.initialize_global_process_group_ray,
+)
+_gloo_process_group.__wrapped__ = _verl_init_process_group  # type: ignore[attr-defined]
+verl_distributed.initialize_global_process_group_ray = _gloo_process_group
+
+
+@dataclass
+class _UnpinnedCPUOffloadPolicy(CPUOffloadPolicy):
+    """FSDP2's CPU offload without pinned memory, which needs an accelerator."""
+
+    def __post_init__(self) -> None:
+        self.pin_memory = False
+
+
+# verl's FSDP engine offloads a forward-only model (the reference policy) with
+# CPUOffloadPolicy(pin_memory=True), imported from fsdp_utils after this module.
+verl_fsdp_utils.CPUOffloadPolicy = _UnpinnedCPUOffloadPolicy
 
 
 @PlatformRegistry.register(platform="cpu")
@@ -118,6 +152,11 @@ class PlatformCPU(PlatformBase):  # type: ignore[misc]
 
     def ray_noset_envvars(self) -> list[str]:
         return []
+
+    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+        # Ray takes CPUs as num_cpus only (verl's default puts a non-GPU device's
+        # share under resources=, which Ray refuses for 'CPU').
+        return {"num_cpus": num_gpus}
 
     def is_ipc_supported(self) -> bool:
         return False

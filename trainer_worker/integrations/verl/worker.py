@@ -373,7 +373,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
             output = super().train_batch(data)
         if output is not None:
             metrics = tu.get(output, "metrics")
-            metrics.update(_round_metrics(totals, latency, skipped=False))
+            metrics.update(_round_metrics(step, totals, latency, skipped=False))
         return output
 
     def _skipped(self, data: Any) -> Any:
@@ -382,7 +382,7 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         if not self.engine.is_mp_src_rank_with_outputs():
             return None
         metrics: dict[str, Any] = {"loss": 0.0, "grad_norm": 0.0, "mfu": 0.0}
-        metrics.update(_round_metrics({}, 0.0, skipped=True))
+        metrics.update(_round_metrics(self._round - 1, {}, 0.0, skipped=True))
         if lr is not None:
             metrics["lr"] = lr
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
@@ -395,8 +395,15 @@ def _round_file(checkpoint: str) -> Path:
     return Path(checkpoint) / f"lossreduce_round_rank{rank}.json"
 
 
-def _round_metrics(totals: dict[str, float], latency: float, *, skipped: bool) -> dict[str, float]:
+def _round_metrics(
+    step: int, totals: dict[str, float], latency: float, *, skipped: bool
+) -> dict[str, float]:
     out = {f"lossreduce/normalizer/{term}": value for term, value in totals.items()}
+    # The mini-batch's round, twice: verl reduces a step's per-mini-batch values by
+    # the key's name (min, max, else mean), so the logged pair spans the step's rounds
+    # and shows how many ran.
+    out["lossreduce/round_min"] = float(step)
+    out["lossreduce/round_max"] = float(step)
     out["lossreduce/round_latency_s"] = latency
     out["lossreduce/skipped"] = float(skipped)
     return out

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS = 0, 1
@@ -46,18 +46,28 @@ KL_COEF = 0.1
 ENTROPY_COEFF = 0.01
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
+CHAT_TOKENS = ["\n", "<|im_end|>"]
+"""With ``chat=True``, after :data:`WORDS`: verl's agent loop builds Qwen2 chat turns
+with a Qwen boundary builder, which needs ``"\n"`` to encode to exactly one id and
+an ``<|im_end|>`` token (the whitespace pre-tokenizer alone drops newlines)."""
+
+
+def tokenizer(*, chat: bool = False) -> PreTrainedTokenizerFast:
     vocab = {w: i for i, w in enumerate(WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if chat:
+        # Added tokens are matched before pre-tokenization, so "\n" survives it.
+        tok.add_tokens([AddedToken(CHAT_TOKENS[0], normalized=False)])
+        tok.add_special_tokens([CHAT_TOKENS[1]])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def save_model(folder: Path) -> Path:
+def save_model(folder: Path, *, chat: bool = False) -> Path:
     """A tiny Qwen2 with seeded weights and its tokenizer, saved to ``folder``."""
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=len(WORDS),
+        vocab_size=len(WORDS) + (len(CHAT_TOKENS) if chat else 0),
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
@@ -71,7 +81,7 @@ def save_model(folder: Path) -> Path:
     )
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(folder)
-    tokenizer().save_pretrained(folder)
+    tokenizer(chat=chat).save_pretrained(folder)
     return folder
 
 
