@@ -88,9 +88,10 @@ def test_lossreduce_normalized_every_mini_batch(lossreduce_run: Launch) -> None:
         assert data["actor/lossreduce/round_min"] == first
         assert data["actor/lossreduce/round_max"] == first + MINI_BATCHES - 1
         assert data["actor/lossreduce/skipped"] == 0.0
-        # prompt_mean: the mini-batch's prompts over both ranks (2 of them); the KL
-        # term's token count is positive too.
-        assert data["actor/lossreduce/normalizer/pg"] == 2.0
+        # prompt_mean: the prompts with a response in the mini-batch (4 responses, 2
+        # a prompt; verl's balancing may split a group over two mini-batches), averaged
+        # over the step's two; the KL term's token count is positive too.
+        assert 2.0 <= data["actor/lossreduce/normalizer/pg"] <= 4.0
         assert data["actor/lossreduce/normalizer/kl"] > 0.0
         assert data["actor/lossreduce/round_latency_s"] > 0.0
 
