@@ -48,9 +48,10 @@ COMPARED = [
 pytestmark = pytest.mark.timeout(900)
 
 
-def _launch(folder: Path, args: list[str], steps: int = STEPS) -> Launch:
+def _launch(folder: Path, args: list[str], steps: int = STEPS, mini_batch_size: int = 2) -> Launch:
     inputs = write_inputs(folder)
-    run = run_main_ppo(folder, [*main_ppo_launch.overrides(inputs, steps=steps), *args])
+    settings = main_ppo_launch.overrides(inputs, steps=steps, mini_batch_size=mini_batch_size)
+    run = run_main_ppo(folder, [*settings, *args])
     assert run.returncode == 0, run.output[-8000:]
     assert [s["step"] for s in run.steps] == list(range(1, steps + 1)), run.output[-4000:]
     return run
@@ -67,15 +68,20 @@ def lossreduce_run(tmp_path_factory: pytest.TempPathFactory) -> Launch:
 
 @pytest.fixture(scope="module")
 def ab_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Launch, Launch]:
+    # One mini-batch a step: the agent loop hands verl's TransferQueue the responses in
+    # the order they finish, so with two the split (and the second mini-batch's
+    # update) differs from run to run; one update of the whole batch does not.
     stock = _launch(
         tmp_path_factory.mktemp("stock"),
         ["actor_rollout_ref.actor.loss_agg_mode=token-mean"],
         AB_STEPS,
+        mini_batch_size=4,
     )
     ours = _launch(
         tmp_path_factory.mktemp("token-mean"),
         ["trainer.v1.trainer_mode=lossreduce", "+actor_rollout_ref.lossreduce.mode=token_mean"],
         AB_STEPS,
+        mini_batch_size=4,
     )
     return stock, ours
 
