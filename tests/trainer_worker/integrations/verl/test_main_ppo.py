@@ -11,7 +11,7 @@ mode) and the lossreduce trainer mode with ``mode=token_mean``, 2 steps each on 
 same seed. Step 2 samples from the weights after step 1, so equal step-2 metrics
 would say the first update was the same too; they are not yet (the xfail's reason).
 
-Three launches, about 3 minutes each on 2 cores (most of it Ray and verl starting).
+Three launches, about 2.5 minutes each on 2 cores (most of it Ray and verl starting).
 """
 
 from __future__ import annotations
@@ -111,10 +111,9 @@ def test_the_run_trained(lossreduce_run: Launch) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="not yet the same: on 2 CPU ranks the rollouts match (scores, lengths) but step 1's "
-    "grad_norm is 0.897623 stock vs 0.897745 lossreduce (1.4e-4 relative), and stock logs "
-    "kl_loss 0.0 and pg_loss ~1e-7 at step 1 where lossreduce logs 2.2e-4 and -6.1e-5, as if "
-    "stock's weights had not moved between the step's two mini-batches; not yet explained",
+    reason="not yet the same: with one mini-batch a step the rollouts (scores, lengths) and "
+    "step 2's pg_loss (-0.0471403) match, but step 1's grad_norm is 0.635177 stock vs 0.635135 "
+    "lossreduce (6.5e-5 relative) and step 2's kl_loss 0.000523 vs 0.000911; not yet explained",
 )
 def test_stock_and_lossreduce_token_mean_give_the_same_first_update(
     ab_runs: tuple[Launch, Launch],
@@ -126,7 +125,9 @@ def test_stock_and_lossreduce_token_mean_give_the_same_first_update(
     for step in range(1, AB_STEPS + 1):
         theirs, mine = _data(stock, step), _data(ours, step)
         for key in COMPARED:
-            assert math.isclose(mine[key], theirs[key], rel_tol=1e-6, abs_tol=1e-9), (
+            # abs_tol: step 1's pg_loss is zero but for rounding (ratio 1, advantages
+            # summing to zero over responses of one length).
+            assert math.isclose(mine[key], theirs[key], rel_tol=1e-6, abs_tol=1e-6), (
                 step,
                 key,
                 mine[key],
