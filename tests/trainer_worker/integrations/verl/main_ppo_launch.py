@@ -82,7 +82,12 @@ def write_inputs(folder: Path) -> Inputs:
 
 
 def overrides(
-    inputs: Inputs, *, seed: int = 1, steps: int = STEPS, cuda: bool = False
+    inputs: Inputs,
+    *,
+    seed: int = 1,
+    steps: int = STEPS,
+    mini_batch_size: int = 2,
+    cuda: bool = False,
 ) -> list[str]:
     """The run's Hydra overrides (data, model, sizes) without the trainer mode: on 2 CPU
     ranks, or with ``cuda`` on one GPU (scripts/gpu_check.sh)."""
@@ -100,8 +105,8 @@ def overrides(
         "actor_rollout_ref.model.use_remove_padding=False",
         "+actor_rollout_ref.model.override_config.attn_implementation=eager",
         "actor_rollout_ref.actor.strategy=fsdp2",
-        # Two mini-batches (optimizer steps) per training step.
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        # Prompts per mini-batch (optimizer step): 2, two mini-batches a training step.
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch_size}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.optim.lr=1e-2",
