@@ -212,3 +212,22 @@ def run_main_ppo(
     if metrics.exists():
         steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return Launch(done.returncode, done.stdout + done.stderr, steps)
+
+
+def launched(folder: Path, args: list[str], steps: int = STEPS, mini_batch_size: int = 2) -> Launch:
+    """The test launch (:func:`overrides`) plus ``args`` in ``folder``, which must finish
+    and log every one of its ``steps``."""
+    inputs = write_inputs(folder)
+    settings = overrides(inputs, steps=steps, mini_batch_size=mini_batch_size)
+    run = run_main_ppo(folder, [*settings, *args])
+    if run.returncode != 0:
+        raise AssertionError(f"main_ppo exited {run.returncode}:\n{run.output[-8000:]}")
+    logged = [s["step"] for s in run.steps]
+    if logged != list(range(1, steps + 1)):
+        raise AssertionError(f"main_ppo logged steps {logged}:\n{run.output[-4000:]}")
+    return run
+
+
+def step_data(run: Launch, step: int) -> dict[str, Any]:
+    """What verl's file logger wrote for ``step`` (1-based)."""
+    return dict(run.steps[step - 1]["data"])
