@@ -9,6 +9,7 @@ goes last: the cluster has two nodes after it.
 from __future__ import annotations
 
 import io
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -298,6 +299,15 @@ def test_a_killed_coordinator_actor_loses_no_round_and_counts_none_twice(
     assert steps == list(range(STEPS)), killer.journal_steps
 
 
+def _accepts(host: str, port: int) -> bool:
+    """Whether something still accepts TCP connections at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 class KillAgent:
     """Kills the node agent of a node other than the driver's as ``step``'s training is
     sent: the other nodes' agents open the round, this node's ranks find no agent."""
@@ -312,15 +322,20 @@ class KillAgent:
             return
         _, self.node = remote_rank(self.job)
         agent = ray.get_actor(agent_name(self.job, self.node))
+        host, port = ray.get(agent.target.remote(), timeout=60).rsplit(":", 1)
         self.killed_at = time.monotonic()
         ray.kill(agent, no_restart=True)
-        # ray.kill only requests the kill: wait until the agent no longer answers.
+        # ray.kill only requests the kill, and Ray may call the actor dead while its
+        # process (whose thread serves the ranks) still runs: wait until Ray says so
+        # *and* the agent's port refuses connections, so that no rank's contribution
+        # of this step can still reach the coordinator through it.
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 ray.get(agent.target.remote(), timeout=60)
             except RayActorError:
-                return
+                if not _accepts(host, int(port)):
+                    return
             time.sleep(0.1)
         raise AssertionError("the agent still answers 60 s after ray.kill")
 
@@ -340,7 +355,7 @@ def test_a_killed_agent_fails_its_ranks_clearly_and_releases_the_peers(
     assert f"(id {killer.node[:12]})" in message
     assert "is gone" in message
     # The peers on the other nodes were answered by the coordinator, not left waiting.
-    assert "RoundTimeoutError" in message
+    assert "RoundTimeoutError" in message, message
     assert waited < STEP_TIMEOUT_S, message
 
 
