@@ -214,7 +214,7 @@ class FreezableProxy:
         self.upstream_closed = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
-        self._pumps: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._closing = asyncio.Event()
         self.port = 0
 
@@ -222,13 +222,19 @@ class FreezableProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    async def _accept(
-        self, down_reader: asyncio.StreamReader, down_writer: asyncio.StreamWriter
-    ) -> None:
+    def _accept(self, down_reader: asyncio.StreamReader, down_writer: asyncio.StreamWriter) -> None:
+        # Synchronous, so every accepted connection is known the moment it exists: a
+        # coroutine callback becomes a task, and one that asyncio.run cancels before its
+        # first step leaves its transport open (a ResourceWarning in a later test).
         self._writers.append(down_writer)
         if self._closing.is_set():
             down_writer.close()
             return
+        self._tasks.append(asyncio.create_task(self._connect(down_reader, down_writer)))
+
+    async def _connect(
+        self, down_reader: asyncio.StreamReader, down_writer: asyncio.StreamWriter
+    ) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
@@ -239,7 +245,7 @@ class FreezableProxy:
             up_writer.close()
             down_writer.close()
             return
-        self._pumps += [
+        self._tasks += [
             asyncio.create_task(self._pump(down_reader, up_writer, None)),
             asyncio.create_task(self._pump(up_reader, down_writer, self.upstream_closed)),
         ]
@@ -268,10 +274,13 @@ class FreezableProxy:
         self._closing.set()
         self._server.close()
         await self._server.wait_closed()
-        await asyncio.sleep(0)  # let connections accepted just now see the flag
         for writer in self._writers:
             writer.close()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+        # Connects still under way finish (and see the flag); their pumps end on the close.
+        while pending := [t for t in self._tasks if not t.done()]:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for writer in self._writers:
+            writer.close()
         for writer in self._writers:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
