@@ -37,6 +37,7 @@ def main(out: Path) -> int:
     os.environ["MASTER_PORT"] = str(free_port())
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
+    from lossreduce.trainer_worker.integrations.verl import cpu_launch
     from tests.trainer_worker.integrations.verl import tiny_verl, verl_runs
 
     def one(case: verl_runs.Case, model_dir: Path) -> dict[str, object]:
@@ -59,7 +60,7 @@ def main(out: Path) -> int:
         }
 
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = tiny_verl.save_model(Path(scratch))
+        model_dir = cpu_launch.save_model(Path(scratch))
         stock = one(verl_runs.Case("verl", worker="verl"), model_dir)
         ours = one(verl_runs.Case("lossreduce"), model_dir)
     a, b = ours["update"], stock["update"]

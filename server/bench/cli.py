@@ -28,7 +28,13 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lossreduce.server.bench.contenders import Endpoints
-from lossreduce.server.bench.e2e import run_areal_e2e, run_e2e, run_trl_e2e, run_verl_e2e
+from lossreduce.server.bench.e2e import (
+    run_areal_e2e,
+    run_e2e,
+    run_trl_e2e,
+    run_verl_e2e,
+    run_verl_main_ppo_e2e,
+)
 from lossreduce.server.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
 from lossreduce.server.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
 from lossreduce.server.bench.report import (
@@ -145,6 +151,12 @@ class BenchSettings(BaseModel):
         description="Also compare a `lossreduce train` step with --normalizer coordinator "
         "against --normalizer torch (runs training in ABBA order), and a TRL GRPO step with "
         "lossreduce's normalizers against TRL's own dapo (skipped without lossreduce[trl]).",
+    )
+    e2e_main_ppo: bool = Field(
+        default=True,
+        description="With --e2e and verl installed, also time a whole verl main_ppo training "
+        "step with the lossreduce trainer mode against stock verl (four launches of the tiny "
+        "CPU launch, about 10 minutes on 2 cores).",
     )
     e2e_steps: int = Field(default=30, ge=2, description="Steps per end-to-end training run.")
     e2e_pairs: int = Field(
@@ -342,6 +354,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     e2e = None
     e2e_trl = None
     e2e_verl = None
+    e2e_main_ppo = None
     e2e_areal = None
     if settings.e2e:
         # After the servers stopped: training starts its own Ray cluster and coordinator.
@@ -358,6 +371,9 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         e2e_trl = run_trl_e2e()
         print("end to end: a verl actor step, lossreduce normalizers vs verl's token-mean")
         e2e_verl = run_verl_e2e()
+        if settings.e2e_main_ppo:
+            print("end to end: verl main_ppo, the lossreduce trainer mode vs stock", flush=True)
+            e2e_main_ppo = run_verl_main_ppo_e2e()
         print("end to end: AReaL's PPO update, LossReduce actor vs AReaL's own", flush=True)
         e2e_areal = run_areal_e2e()
     checks = targets(
@@ -375,6 +391,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "e2e": e2e,
         "e2e_trl": e2e_trl,
         "e2e_verl": e2e_verl,
+        "e2e_verl_main_ppo": e2e_main_ppo,
         "e2e_areal": e2e_areal,
         "notes": [
             "latency: from the first rank issuing its contribution to the last rank holding "

@@ -26,6 +26,7 @@ __all__ = [
     "run_e2e",
     "run_trl_e2e",
     "run_verl_e2e",
+    "run_verl_main_ppo_e2e",
     "step_seconds",
 ]
 
@@ -171,6 +172,39 @@ def run_verl_e2e() -> dict[str, float | int | bool] | None:
     from lossreduce.trainer_worker.integrations.verl.bench import run_verl_bench
 
     return _framework_step("verl", "token-mean", "verl", run_verl_bench())
+
+
+def run_verl_main_ppo_e2e() -> dict[str, float | int | bool] | None:
+    """A whole verl ``main_ppo`` training step with ``trainer.v1.trainer_mode=lossreduce``
+    vs stock verl's ``token-mean`` (the tiny CPU launch of docs/frameworks/verl.md, four
+    launches in ABBA order, median over their steps): the ratio, the actor update's
+    ratio, and whether the step meets :data:`TRL_TARGET_RATIO` (the same 1.03); None,
+    said in one line, when verl is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        print(
+            "  verl main_ppo step: skipped (verl is not installed: pip install 'lossreduce[verl]')"
+        )
+        return None
+    from lossreduce.trainer_worker.integrations.verl.main_ppo_bench import run_main_ppo_bench
+
+    result = run_main_ppo_bench()
+    step = _framework_step("verl main_ppo", "stock token-mean", "stock", result)
+    print(
+        f"  verl main_ppo actor update: lossreduce {result.lossreduce_update_s * 1e3:.1f} ms vs "
+        f"stock {result.stock_update_s * 1e3:.1f} ms: ratio {result.update_ratio:.3f}; "
+        f"lossreduce's round {result.lossreduce_round_s * 1e3:.1f} ms a mini-batch",
+        flush=True,
+    )
+    return {
+        **step,
+        "lossreduce_update_s": result.lossreduce_update_s,
+        "stock_update_s": result.stock_update_s,
+        "update_ratio": result.update_ratio,
+        "lossreduce_round_s": result.lossreduce_round_s,
+        "launches": result.launches,
+    }
 
 
 def run_areal_e2e() -> dict[str, float | int | bool] | None:

@@ -22,6 +22,7 @@ import torch
 
 from lossreduce.ports import free_port
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from lossreduce.trainer_worker.integrations.verl import cpu_launch
 from tests.conftest import TEST_SETTINGS
 from tests.ray_support import local_ray
 from tests.trainer_worker.integrations.verl import tiny_verl
@@ -154,7 +155,7 @@ def dp1_cases() -> list[Case]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_verl.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
+    return cpu_launch.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 @pytest.fixture(scope="module")

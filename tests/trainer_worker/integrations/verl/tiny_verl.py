@@ -1,7 +1,7 @@
 """A tiny offline PPO mini-batch for verl's real engine worker, and its independent reference.
 
-No hub access: a word-level tokenizer, a 1-layer ``Qwen2`` saved to a
-temporary folder (verl's ``HFModelConfig`` loads it from that path), and a
+No hub access: a word-level tokenizer and a 1-layer ``Qwen2`` (``cpu_launch.save_model``)
+saved to a temporary folder (verl's ``HFModelConfig`` loads it from that path), and a
 fixed batch of 8 responses to 2 prompts (4 per prompt group): uneven response
 lengths, one response fully masked, advantages and old/ref log-probabilities
 from a seeded generator. The batch is built in the layout verl's trainer hands
@@ -24,11 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
-PAD, EOS = 0, 1
-WORDS = ["<pad>", "<eos>", *(chr(c) for c in range(ord("a"), ord("z") + 1))]
+# The model and its tokenizer are the package's CPU launch's (cpu_launch.save_model).
+from lossreduce.trainer_worker.integrations.verl.cpu_launch import PAD
+
 PROMPT_LEN = 3
 BATCH = 8
 RESPONSE_LEN = 5
@@ -44,45 +44,6 @@ still counts it in every seq-mean denominator."""
 CLIP = 0.2
 KL_COEF = 0.1
 ENTROPY_COEFF = 0.01
-
-
-CHAT_TOKENS = ["\n", "<|im_end|>"]
-"""With ``chat=True``, after :data:`WORDS`: verl's agent loop builds Qwen2 chat turns
-with a Qwen boundary builder, which needs ``"\n"`` to encode to exactly one id and
-an ``<|im_end|>`` token (the whitespace pre-tokenizer alone drops newlines)."""
-
-
-def tokenizer(*, chat: bool = False) -> PreTrainedTokenizerFast:
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    if chat:
-        # Added tokens are matched before pre-tokenization, so "\n" survives it.
-        tok.add_tokens([AddedToken(CHAT_TOKENS[0], normalized=False)])
-        tok.add_special_tokens([CHAT_TOKENS[1]])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def save_model(folder: Path, *, chat: bool = False) -> Path:
-    """A tiny Qwen2 with seeded weights and its tokenizer, saved to ``folder``."""
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(WORDS) + (len(CHAT_TOKENS) if chat else 0),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=EOS,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(folder)
-    tokenizer(chat=chat).save_pretrained(folder)
-    return folder
 
 
 @dataclass(frozen=True)
