@@ -158,15 +158,23 @@ def run_trl_e2e() -> dict[str, float | int | bool] | None:
     return _framework_step("TRL", "dapo", "dapo", run_trl_bench())
 
 
+def _verl_missing(label: str) -> bool:
+    """Whether verl is missing, said in one line naming ``label``. Looked up, not
+    imported: verl must not load before its platform is chosen."""
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is not None:
+        return False
+    print(f"  {label}: skipped (verl is not installed: pip install 'lossreduce[verl]')")
+    return True
+
+
 def run_verl_e2e() -> dict[str, float | int | bool] | None:
     """A verl actor mini-batch step with lossreduce's normalizers vs verl's own
     ``token-mean`` (median over steps, ABBA order, one process): the ratio and whether
     it meets :data:`TRL_TARGET_RATIO` (the same 3%); None, said in one line, when verl
     is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("verl") is None:
-        print("  verl step: skipped (verl is not installed: pip install 'lossreduce[verl]')")
+    if _verl_missing("verl step"):
         return None
     # Imports verl only inside run_verl_bench, after choosing its platform.
     from lossreduce.trainer_worker.integrations.verl.bench import run_verl_bench
@@ -180,12 +188,7 @@ def run_verl_main_ppo_e2e() -> dict[str, float | int | bool] | None:
     launches in ABBA order, median over their steps): the ratio, the actor update's
     ratio, and whether the step meets :data:`TRL_TARGET_RATIO` (the same 1.03); None,
     said in one line, when verl is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("verl") is None:
-        print(
-            "  verl main_ppo step: skipped (verl is not installed: pip install 'lossreduce[verl]')"
-        )
+    if _verl_missing("verl main_ppo step"):
         return None
     from lossreduce.trainer_worker.integrations.verl.main_ppo_bench import run_main_ppo_bench
 

@@ -238,6 +238,11 @@ class Launch:
     output: str
     steps: list[dict[str, Any]]
 
+    @property
+    def logged(self) -> list[int]:
+        """The steps verl's file logger wrote, in order."""
+        return sorted(int(s["step"]) for s in self.steps)
+
 
 def run_main_ppo(
     folder: Path, args: list[str], timeout: float = 600, *, cuda: bool = False

@@ -135,17 +135,17 @@ def run_main_ppo_bench(settings: MainPpoBenchSettings | None = None) -> MainPpoB
     rounds: list[float] = []
     order = abba_order(settings.blocks)
     with tempfile.TemporaryDirectory(prefix="lossreduce-main-ppo-bench-") as scratch:
+        # Every launch reads the same inputs; each writes its metrics to a folder of its own.
+        inputs = write_inputs(Path(scratch))
         for index, ours in enumerate(order):
             folder = Path(scratch) / f"launch-{index}"
             folder.mkdir()
-            inputs = write_inputs(folder)
             args = [*overrides(inputs, steps=settings.steps), *(TRAINER_MODE if ours else STOCK)]
             run = run_main_ppo(folder, args, timeout=settings.launch_timeout_s)
-            logged = sorted(int(s["step"]) for s in run.steps)
-            if run.returncode != 0 or logged != list(range(1, settings.steps + 1)):
+            if run.returncode != 0 or run.logged != list(range(1, settings.steps + 1)):
                 raise MainPpoBenchError(
                     f"main_ppo launch {index} ({'lossreduce' if ours else 'stock'}) exited "
-                    f"{run.returncode} after logging steps {logged} of {settings.steps}:\n"
+                    f"{run.returncode} after logging steps {run.logged} of {settings.steps}:\n"
                     f"{run.output[-4000:]}"
                 )
             seconds = kept_timings(run.steps, settings.skip_steps, STEP_KEY)

@@ -63,9 +63,8 @@ def launched(folder: Path, args: list[str], steps: int = STEPS, mini_batch_size:
     run = run_main_ppo(folder, [*settings, *args])
     if run.returncode != 0:
         raise AssertionError(f"main_ppo exited {run.returncode}:\n{run.output[-8000:]}")
-    logged = [s["step"] for s in run.steps]
-    if logged != list(range(1, steps + 1)):
-        raise AssertionError(f"main_ppo logged steps {logged}:\n{run.output[-4000:]}")
+    if run.logged != list(range(1, steps + 1)):
+        raise AssertionError(f"main_ppo logged steps {run.logged}:\n{run.output[-4000:]}")
     return run
 
 
