@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 from google.rpc import code_pb2, status_pb2
 
+from lossreduce._compat import cancelling
 from lossreduce.client._transport import status_of
 from lossreduce.v2 import coordinator_pb2 as pb
 
@@ -91,7 +92,7 @@ class ReduceStreamSession:
                 await self._call.write(request)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if not self.broken or (task is not None and task.cancelling()):
+                if not self.broken or cancelling(task):
                     # The caller gave up mid-write: the stream's framing is unknown.
                     self._break(_status(code_pb2.CANCELLED, "a stream write was cancelled"))
                     _retrieved(waiter.future)  # this caller leaves; nobody reads its error
@@ -123,7 +124,7 @@ class ReduceStreamSession:
                 pass
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if not self.broken or (task is not None and task.cancelling()):
+            if not self.broken or cancelling(task):
                 # gRPC cancelled the whole call with this caller's read.
                 self._break(_status(code_pb2.CANCELLED, "a stream read was cancelled"))
                 _retrieved(waiter.future)  # this caller leaves; nobody reads its error

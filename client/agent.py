@@ -197,7 +197,7 @@ class NodeAgent:
         self._stopping = True
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         nodes = list(self._nodes.values())
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(n.settle() for n in nodes)), grace)
         for node in nodes:
             await node.close()

@@ -24,6 +24,7 @@ from typing import TypeVar
 import grpc
 from google.rpc import code_pb2, status_pb2
 
+from lossreduce._compat import cancelling, within
 from lossreduce.client._stream import ReduceStreamSession, StreamBrokenError
 from lossreduce.client._transport import call_metadata, open_channel, status_of
 from lossreduce.client._wire import (
@@ -277,7 +278,7 @@ class AsyncReductionClient:
             task = asyncio.current_task()
             # close() cancels the channel's calls; only a cancellation of the
             # caller's own task should propagate as one.
-            if self._is_closed() and (task is None or not task.cancelling()):
+            if self._is_closed() and not cancelling(task):
                 raise self._closed_while_waiting(step) from None
             raise
         except LossReduceError as answer:
@@ -336,7 +337,7 @@ class AsyncReductionClient:
                 # decides whether to back off or to raise.
                 via_stream = False
                 continue
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 raise deadline_error(ctx, self.target, self.settings.call_timeout_s) from None
             except grpc.aio.AioRpcError as exc:
                 status = status_of(exc)
@@ -359,7 +360,7 @@ class AsyncReductionClient:
                     ctx, self.target, budget.attempts, budget.elapsed(loop.time()), status
                 )
             # Sleep, but wake at once if the client is closed meanwhile.
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._closed.wait(), delay)
 
     def _raise_unless_retryable(self, status: status_pb2.Status, ctx: RoundContext) -> None:
@@ -380,9 +381,7 @@ class AsyncReductionClient:
             session = self._stream
             if session is None or session.broken:
                 session = await self._stream_session()
-            # A timer on this task rather than wait_for(): no task per call.
-            async with asyncio.timeout(timeout):
-                return await session.submit(request, sent)
+            return await within(timeout, session.submit(request, sent))
         call = self._stub.Reduce(request, timeout=timeout, metadata=self._metadata)
         if sent is not None:
             # The call's own task, scheduled before this mark, sends the request.

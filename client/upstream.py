@@ -132,7 +132,7 @@ class UpstreamStream:
                 # back off or to give up. How a stream broke can be a race (INTERNAL).
                 via_stream = False
                 continue
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 return node_failure(
                     request,
                     code_pb2.DEADLINE_EXCEEDED,
@@ -173,7 +173,7 @@ class UpstreamStream:
                     f"{budget.elapsed(loop.time()):.1f} s (last error: "
                     f"{code_pb2.Code.Name(status.code)}: {status.message or 'no details'})",
                 ), True
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._closed.wait(), delay)
 
     async def _attempt(self, request: pb.ReduceRequest, via_stream: bool) -> pb.ReduceResponse:

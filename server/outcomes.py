@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
+from lossreduce._compat import StrEnum
 from lossreduce.contribution import DIGEST_SIZE
 from lossreduce.errors import InvalidPartialError, LossReduceError, round_error
 

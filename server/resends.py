@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
+from lossreduce._compat import StrEnum
 from lossreduce.contribution import Contribution, own_digests
 
 __all__ = ["Resend", "ResendKind", "judge_resend"]

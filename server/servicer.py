@@ -356,7 +356,7 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
         """
         self._table.close()
         if self._table.live_count:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), grace_s)
         aborted = self._table.abort_all(self._clock())
         for rnd in aborted:

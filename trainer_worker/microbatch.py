@@ -16,12 +16,12 @@ padded batch has one (otherwise every padded row counts the full width ``T``).
 from __future__ import annotations
 
 import itertools
-from typing import Self
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 from torch import Tensor
+from typing_extensions import Self
 
 from lossreduce.errors import ReductionConfigError, ReductionInputError
 from lossreduce.trainer_worker.policy_gradient import checked_group_sizes, packed_lengths

@@ -38,12 +38,12 @@ from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, Literal, SupportsIndex
 
 import torch
 from torch import Tensor
 
+from lossreduce._compat import StrEnum
 from lossreduce.errors import ReductionConfigError, ReductionInputError
 
 if TYPE_CHECKING:

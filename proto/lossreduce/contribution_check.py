@@ -13,9 +13,9 @@ The per-value rules are :mod:`lossreduce.rules`; the semantics are in
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 from typing import NamedTuple
 
+from lossreduce._compat import StrEnum
 from lossreduce.contribution import DIGEST_SIZE, Contribution
 from lossreduce.errors import format_terms
 from lossreduce.rules import check_partial, check_term_name

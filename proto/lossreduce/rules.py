@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from enum import StrEnum
+
+from lossreduce._compat import StrEnum
 
 __all__ = [
     "MAX_TERM_NAME_LENGTH",

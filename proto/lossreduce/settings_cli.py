@@ -125,7 +125,8 @@ def _metavar(name: str, annotation: object) -> str:
 
 
 def _default_text(field: FieldInfo) -> str:
-    default = field.get_default(call_default_factory=True)
+    # validated_data: pydantic 2.10 asks for it whenever it calls a default factory.
+    default = field.get_default(call_default_factory=True, validated_data={})
     if isinstance(default, tuple | list):
         return ",".join(str(v) for v in default)
     return str(default)

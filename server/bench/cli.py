@@ -214,7 +214,7 @@ def _machine() -> dict[str, object]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "grpcio": grpc.__version__,
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 

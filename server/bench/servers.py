@@ -60,20 +60,23 @@ def wait_serving(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise BenchServerError(
-                    f"lossreduce serve on {target} exited with {proc.returncode}:\n{log()}"
-                )
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchServerError(
+                f"lossreduce serve on {target} exited with {proc.returncode}:\n{log()}"
+            )
+        # A channel per poll: grpcio 1.72 (the floor) keeps a channel whose first connect was
+        # refused failing fast for a minute or more, long after the server listens.
+        with grpc.insecure_channel(target) as channel:
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1.0
+                )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass  # not listening yet
-            time.sleep(_HEALTH_POLL_S)
+        time.sleep(_HEALTH_POLL_S)
     raise BenchServerError(
         f"lossreduce serve on {target} not SERVING after {timeout_s} s:\n{log()}"
     )

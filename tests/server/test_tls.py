@@ -70,7 +70,7 @@ def _builder(
     subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, *, ca: bool
 ) -> x509.CertificateBuilder:
     """A certificate valid for a day, from five minutes ago (clock skew)."""
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     return (
         x509.CertificateBuilder()
         .subject_name(subject)

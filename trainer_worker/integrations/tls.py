@@ -21,7 +21,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from lossreduce._compat import UTC
 from lossreduce.errors import UsageError
 
 __all__ = ["RUN_CERT_LIFETIME", "RunTls", "ServerTls", "make_run_tls", "read_ca"]

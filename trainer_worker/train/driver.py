@@ -21,7 +21,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from pydantic import SecretStr
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
+from lossreduce._compat import UTC
 from lossreduce.client import ClientSettings
 from lossreduce.errors import UsageError
 from lossreduce.server.security import is_loopback

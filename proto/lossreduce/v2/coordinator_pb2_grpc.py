@@ -5,7 +5,7 @@ import warnings
 
 from lossreduce.v2 import coordinator_pb2 as lossreduce_dot_v2_dot_coordinator__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in lossreduce/v2/coordinator_pb2_grpc.py depends on'
+        + f' but the generated code in lossreduce/v2/coordinator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class ReductionCoordinatorStub:
+class ReductionCoordinatorStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -56,7 +56,7 @@ class ReductionCoordinatorStub:
                 _registered_method=True)
 
 
-class ReductionCoordinatorServicer:
+class ReductionCoordinatorServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Reduce(self, request, context):
@@ -122,7 +122,7 @@ def add_ReductionCoordinatorServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class ReductionCoordinator:
+class ReductionCoordinator(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
