@@ -7,6 +7,26 @@ over ranks (one process, torch.distributed, or the coordinator). See
 ``docs/reduction-semantics.md`` for the formulas.
 """
 
+# The package's own imports follow the torch check, so that a missing or unsupported
+# torch is reported as such before any module of the package needs it.
+# ruff: noqa: E402
+
+from lossreduce._versions import TRAINER_INSTALL, check_torch
+
+try:
+    import torch
+except ModuleNotFoundError as error:
+    # The service side (`pip install lossreduce`) has no torch: say what brings it.
+    if error.name != "torch":
+        raise  # torch itself is there but broken: its own error says more
+    raise ModuleNotFoundError(
+        f"lossreduce.trainer_worker needs torch, which is not installed; "
+        f"install the trainer side: {TRAINER_INSTALL}",
+        name="torch",
+    ) from error
+
+check_torch(torch.__version__)
+
 from lossreduce.trainer_worker.engine import (
     EvalResult,
     ForwardFn,

@@ -12,7 +12,14 @@ rule of every command (``lossreduce.settings_cli``) and free ports
 (``lossreduce.ports``).
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from lossreduce._versions import check_python
+
+# First: on an unsupported Python (a source checkout on PYTHONPATH; pip refuses to
+# install there) fail here with the supported range, not on some later import or
+# syntax error (Python 3.7 has no importlib.metadata, below).
+check_python()
+
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 
 try:
     __version__ = version("lossreduce")

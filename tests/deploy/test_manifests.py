@@ -18,7 +18,11 @@ import secrets
 import shlex
 import subprocess
 import sys
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -513,7 +517,12 @@ def test_rayjob_trains_against_the_coordinator_service(
     assert int(flags["--workers"]) == workers  # one rank per worker pod
 
 
-def test_rayjob_exports_ray_metrics_and_uses_the_coordinator_image(
+def trainer_image(coordinator_container: dict[str, Any]) -> str:
+    """The trainer image's tag: the coordinator's, built from the same wheel (``-trainer``)."""
+    return f"{coordinator_container['image']}-trainer"
+
+
+def test_rayjob_exports_ray_metrics_and_uses_the_trainer_image(
     rayjob_docs: list[dict[str, Any]], coordinator_container: dict[str, Any]
 ) -> None:
     rayjob = _one(rayjob_docs, "RayJob")
@@ -522,7 +531,7 @@ def test_rayjob_exports_ray_metrics_and_uses_the_coordinator_image(
     assert rayjob["spec"]["rayClusterSpec"]["rayVersion"].split(".")[0] == installed_major
     for group in _ray_groups(rayjob):
         (container,) = group["template"]["spec"]["containers"]
-        assert container["image"] == coordinator_container["image"]
+        assert container["image"] == trainer_image(coordinator_container)
         metrics_port = int(group["rayStartParams"]["metrics-export-port"])
         assert _container_port(container, "metrics") == metrics_port
         own_labels = monitor["spec"]["selector"]["matchLabels"].items() - {
@@ -559,7 +568,8 @@ def test_ray_cluster_config_matches_rays_schema(cluster_config: dict[str, Any]) 
 def test_ray_cluster_runs_the_coordinator_where_prometheus_looks(
     cluster_config: dict[str, Any], coordinator_container: dict[str, Any]
 ) -> None:
-    assert cluster_config["docker"]["image"] == coordinator_container["image"]
+    # The head runs Ray and `lossreduce serve`: the trainer image has both.
+    assert cluster_config["docker"]["image"] == trainer_image(coordinator_container)
     commands = cluster_config["head_start_ray_commands"]
     serve = [_lossreduce_command(c, "serve") for c in commands if "lossreduce serve" in c]
     assert len(serve) == 1
@@ -625,7 +635,7 @@ def test_rayjob_aggregates_per_pod(rayjob_docs: list[dict[str, Any]]) -> None:
 
 
 def test_image_serves_only_with_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cmd = json.loads(dict(_dockerfile())["CMD"])
+    cmd = json.loads(dict(_image())["CMD"])
     with pytest.raises(InsecureBindingError):
         _check_serve_config(cmd[1:], set(), tmp_path, monkeypatch)
     _check_serve_config(cmd[1:], {TOKEN_ENV}, tmp_path, monkeypatch)
@@ -645,8 +655,63 @@ def _dockerfile() -> list[tuple[str, str]]:
     ]
 
 
+DEFAULT_TARGET = ""
+"""The stage `docker build` builds without --target: the last one (unnamed here)."""
+
+
+def _stages() -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """Stage name -> (what it is FROM, its own instructions), in file order."""
+    stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    instructions: list[tuple[str, str]] = []
+    for op, args in _dockerfile():
+        if op == "FROM":
+            words = args.split()
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else DEFAULT_TARGET
+            instructions = []
+            stages[name] = (words[0], instructions)
+        elif stages:
+            instructions.append((op, args))
+    # Only the last stage may go unnamed: it is the default target.
+    assert list(stages).index(DEFAULT_TARGET) == len(stages) - 1
+    return stages
+
+
+def _image(target: str = DEFAULT_TARGET) -> list[tuple[str, str]]:
+    """The instructions that make ``target``'s image: its parent stages' first."""
+    stages = _stages()
+    base, own = stages[target]
+    return [*(_image(base) if base in stages else []), *own]
+
+
+def test_the_default_image_is_the_coordinator_with_the_service_side_only() -> None:
+    stages = _stages()
+    assert stages[DEFAULT_TARGET] == ("coordinator", [])
+    installs = [args for op, args in _image() if op == "RUN" and "pip install" in args]
+    assert len(installs) == 1
+    # `pip install <the wheel>`: no extra, so no torch and no Ray (tests/test_fresh_install.py).
+    assert "[" not in installs[0], installs[0]
+    assert not [args for op, args in _image() if op == "RUN" and "apt-get" in args]
+
+
+def test_the_trainer_image_adds_the_trainer_extra_to_the_coordinator_image() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "trainer" in pyproject["project"]["optional-dependencies"]
+    base, own = _stages()["trainer"]
+    assert base == "coordinator"
+    (install,) = [args for op, args in own if op == "RUN" and "pip install" in args]
+    assert install.endswith('lossreduce-*.whl)[trainer]"'), install
+    # KubeRay's default probes on Ray pods run wget.
+    assert [
+        args
+        for op, args in own
+        if op == "RUN" and "install -y --no-install-recommends wget" in args
+    ]
+    users = [args for op, args in _image("trainer") if op == "USER"]
+    assert users[-1] == "1000"
+
+
 def test_image_exposes_the_default_ports() -> None:
-    exposed = {int(p) for op, args in _dockerfile() if op == "EXPOSE" for p in args.split()}
+    exposed = {int(p) for op, args in _image() if op == "EXPOSE" for p in args.split()}
     assert exposed == {GRPC_PORT, METRICS_PORT}
 
 
@@ -667,9 +732,11 @@ def test_image_copies_every_package_and_runs_the_console_script() -> None:
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
     for path in copied:
         assert f"!{path}" in ignore or f"!{path}/" in ignore, path
-    instructions = dict(_dockerfile())
-    assert json.loads(instructions["ENTRYPOINT"]) == ["lossreduce"]
+    for target in (DEFAULT_TARGET, "trainer"):
+        instructions = dict(_image(target))
+        assert json.loads(instructions["ENTRYPOINT"]) == ["lossreduce"]
+        assert instructions["USER"] == "1000"
+        cmd = json.loads(instructions["CMD"])
+        assert cmd[0] == "serve"
+        assert set(_flags(cmd)) <= _help_flags("serve")
     assert "lossreduce" in pyproject["project"]["scripts"]
-    cmd = json.loads(instructions["CMD"])
-    assert cmd[0] == "serve"
-    assert set(_flags(cmd)) <= _help_flags("serve")

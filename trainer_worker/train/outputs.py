@@ -16,11 +16,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: workers and CI have no display
-
-import matplotlib.pyplot as plt
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
@@ -165,6 +160,13 @@ class RunOutputs:
         self.console.print(self.summary_table())
 
     def write_plot(self) -> None:
+        # Imported here, where the plot is drawn: matplotlib is slow to import and
+        # nothing else of a run needs it.
+        import matplotlib
+
+        matplotlib.use("Agg")  # headless: workers and CI have no display
+        import matplotlib.pyplot as plt
+
         steps = [r.step for r in self.records]
         fig, (ax_reward, ax_loss, ax_norm) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
         ax_reward.plot(steps, [r.reward for r in self.records], marker=".", color="tab:green")
