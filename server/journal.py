@@ -194,6 +194,9 @@ class RoundJournal:
                     "SELECT job, grp, MAX(step) FROM rounds GROUP BY job, grp"
                 )
             }
+        except JournalError:
+            conn.close()
+            raise
         except sqlite3.Error as exc:
             conn.close()
             raise JournalError(f"cannot open the round journal {str(self.path)!r}: {exc}") from exc
@@ -355,6 +358,7 @@ class RoundJournal:
         return self._conn
 
     def _connect(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Autocommit mode: transactions are opened explicitly where several statements need one.
@@ -366,6 +370,10 @@ class RoundJournal:
             # Truncate the WAL back to 8 MiB after checkpoints so the files stay bounded.
             conn.execute("PRAGMA journal_size_limit=8388608")
         except (OSError, sqlite3.Error) as exc:
+            # A file that is no database fails at the first statement: close what opened
+            # (Python 3.13 warns of every connection left to the collector).
+            if conn is not None:
+                conn.close()
             raise JournalError(f"cannot open the round journal {str(self.path)!r}: {exc}") from exc
         return conn
 
