@@ -1,5 +1,9 @@
 # Two commands work on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3.11
+# Exact versions of the development environment (.venv): the package itself declares
+# ranges (pyproject.toml); these pins keep `make test` reproducible. `make constraints`
+# rewrites the file from what .venv holds.
+CONSTRAINTS := constraints/dev.txt
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
@@ -9,7 +13,7 @@ DEMO_ARGS ?=
 # Extra pytest flags, e.g. `make test PYTEST_ARGS="-k round_table -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-areal proto install install-dev bench clean
+.PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-areal test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
@@ -21,13 +25,18 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Stamps re-run the install whenever pyproject.toml changes.
-$(VENV)/.installed: pyproject.toml | $(PY)
-	$(PIP_INSTALL) -e .
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
+	$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[trainer]'
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(PY)
-	$(PIP_INSTALL) -e '.[dev,trl,docs]'
+$(VENV)/.installed-dev: pyproject.toml $(CONSTRAINTS) | $(PY)
+	$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[trainer,dev,trl,docs]'
 	touch $(VENV)/.installed $@
+
+# Rewrites constraints/dev.txt from .venv (after a deliberate upgrade there).
+constraints: $(VENV)/.installed-dev
+	{ grep '^#' $(CONSTRAINTS); $(PY) -m pip freeze --exclude-editable; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -58,30 +67,42 @@ docs: $(VENV)/.installed-dev linked-tree
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 pytest: $(VENV)/.installed-dev
-	$(BIN)/pytest --ignore=tests/trainer_worker/integrations/verl \
+	$(BIN)/pytest --ignore=tests/install \
+		--ignore=tests/trainer_worker/integrations/verl \
 		--ignore=tests/trainer_worker/train/engines/verl \
 		--ignore=tests/trainer_worker/integrations/areal \
 		--ignore=tests/trainer_worker/train/engines/areal $(PYTEST_ARGS)
 
-# verl 0.9.1 pins transformers<5.11 (the trl extra needs >=5.24): its tests (the
+# verl 0.9.1 pins transformers<5.11 (TRL's users have 5.17, .venv too): its tests (the
 # integration's and `lossreduce train --engine verl`'s) run in an environment of
-# their own, built with exactly the install docs/frameworks/verl.md gives a user
-# (read from the page by documented_install.py; lossreduce editable), plus pytest.
-# verl's wheel also installs its own test suite as a top-level `tests` package,
-# which would shadow ours, so that folder is removed.
-VERL_VENV    := .venv-verl
-VERL_PY      := $(VERL_VENV)/bin/python
-VERL_INSTALL := tests/trainer_worker/integrations/verl/documented_install.py
-$(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL)
+# their own, a verl user's: verl's `vllm` extra without vllm (a GPU engine the CPU
+# tests never import) at the versions pip's resolver picks for `verl[vllm]==0.9.1`
+# (constraints/verl.txt: torch 2.11.0, the CUDA build from the index, which runs on
+# CPU), then exactly the install docs/frameworks/verl.md gives a verl user (read from
+# the page by documented_install.py; lossreduce editable) under the same pins, plus
+# pytest. The environment must then hold exactly the pinned versions: the diff fails
+# the build if anything moved. verl's wheel also installs its own test suite as a
+# top-level `tests` package, which would shadow ours, so that folder is removed.
+VERL_VENV        := .venv-verl
+VERL_PY          := $(VERL_VENV)/bin/python
+VERL_INSTALL     := tests/trainer_worker/integrations/verl/documented_install.py
+VERL_CONSTRAINTS := constraints/verl.txt
+$(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) $(VERL_CONSTRAINTS)
+	rm -rf $(VERL_VENV)
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" $(PYTHON) $(VERL_INSTALL) --python $(VERL_PY) --editable
-	$(VERL_PY) -m pip install --quiet "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+	PYTHONWARNINGS="ignore:Editable installation" $(PYTHON) $(VERL_INSTALL) \
+		--python $(VERL_PY) --constraints $(VERL_CONSTRAINTS) --editable
+	$(VERL_PY) -m pip install --quiet -c $(VERL_CONSTRAINTS) pytest pytest-timeout hypothesis
 	rm -rf "$$($(VERL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
+	$(VERL_PY) -m pip freeze --all --exclude-editable | grep -Ev '^(lossreduce|pip)==' > $(VERL_VENV)/freeze.txt
+	grep -v '^#' $(VERL_CONSTRAINTS) | diff -u - $(VERL_VENV)/freeze.txt
 	touch $@
 
+# verl's `verl-core` extra brings pytest-asyncio, whose plugin warns at start (an error
+# under our filterwarnings) when its loop scope is unset; no test here is async.
 test-verl: $(VERL_VENV)/.installed
-	$(VERL_VENV)/bin/pytest tests/trainer_worker/integrations/verl \
+	$(VERL_VENV)/bin/pytest -p no:asyncio tests/trainer_worker/integrations/verl \
 		tests/trainer_worker/train/engines/verl $(PYTEST_ARGS)
 
 # AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal,
@@ -92,27 +113,80 @@ test-verl: $(VERL_VENV)/.installed
 # constraints file), then the test tools.
 AREAL_VENV ?= .venv-areal
 AREAL_PY := $(AREAL_VENV)/bin/python
-AREAL_CONSTRAINTS := tests/trainer_worker/integrations/areal/constraints.txt
+# AReaL's own resolution (torch 2.10.0 from the index, protobuf 6), then what
+# lossreduce[areal] and the test tools add. `pip check` fails the build on a broken
+# requirement, the diff if the environment holds anything but the pinned versions.
+AREAL_CONSTRAINTS := constraints/areal.txt
 AREAL_INSTALL := tests/trainer_worker/integrations/areal/documented_install.py
-$(AREAL_VENV)/.installed: pyproject.toml $(AREAL_CONSTRAINTS) $(AREAL_INSTALL)
+$(AREAL_VENV)/.installed: pyproject.toml docs/frameworks/areal.md $(AREAL_CONSTRAINTS) $(AREAL_INSTALL)
 	rm -rf $(AREAL_VENV)
 	$(PYTHON) -m venv $(AREAL_VENV)
 	$(AREAL_PY) -m pip install --quiet --upgrade pip
 	PYTHONWARNINGS="ignore:Editable installation" $(AREAL_PY) $(AREAL_INSTALL) \
 		--python $(AREAL_PY) --constraints $(AREAL_CONSTRAINTS) --editable
 	$(AREAL_PY) -m pip install --quiet -c $(AREAL_CONSTRAINTS) pytest pytest-timeout hypothesis
+	$(AREAL_PY) -m pip check
+	$(AREAL_PY) -m pip freeze --all --exclude-editable | grep -Ev '^(lossreduce|pip)==' > $(AREAL_VENV)/freeze.txt
+	grep -v '^#' $(AREAL_CONSTRAINTS) | diff -u - $(AREAL_VENV)/freeze.txt
 	touch $@
 
 test-areal: $(AREAL_VENV)/.installed
 	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal \
 		tests/trainer_worker/train/engines/areal $(PYTEST_ARGS)
 
-# Frameworks whose pins conflict with ours run in environments of their own. The two
-# are independent (own venvs, own Ray sessions, loopback ports picked free), so they
-# run side by side, each target's output kept together: it keeps `make test` well
-# inside CI's time on 2 cores.
-test: lint docs typecheck pytest
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal
+# The test matrix: the core suite (wire contract, coordinator, client, reduction
+# library, the coordinator as a Ray actor) at the floor and at the ceiling of the
+# ranges pyproject.toml declares: Python 3.10 with torch 2.10, protobuf 6.30 and
+# grpcio 1.72.1, and Python 3.13 with torch 2.15 and protobuf 7. Exact versions are
+# in constraints/floor.txt and constraints/ceiling.txt. torch comes from the index
+# (the CUDA build; the CPU wheel on the machines' disk is for Python 3.11 only), so
+# these installs run without the machine's pip config, which caps torch and reads
+# that folder. docs/development.md says what each cell runs.
+MATRIX_PIP   := env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null PYTHONWARNINGS="ignore:Editable installation"
+PYENV_ROOT   ?= $(HOME)/.pyenv
+FLOOR_PYTHON   ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.10*/bin/python3.10) python3.10)
+CEILING_PYTHON ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.13*/bin/python3.13) python3.13)
+CORE_TESTS := tests/test_errors.py tests/test_import_rules.py tests/test_packaging.py \
+	tests/test_proto_binding.py tests/test_settings_cli.py tests/test_versions.py \
+	tests/test_service_side.py tests/server tests/client \
+	$(wildcard tests/trainer_worker/test_*.py) tests/trainer_worker/integrations/test_coordinator_actor.py
+# Left out of the cells: the benchmarks (they time, not test) and the soak and restart
+# stress runs (the main run has them); the stale-binding check needs grpcio-tools
+# 1.72.1, which installs only beside protobuf 6 (the main run and the floor have it).
+CORE_IGNORE := --ignore=tests/server/bench --ignore=tests/server/reliability
+
+.venv-%/.installed: pyproject.toml constraints/%.txt
+	rm -rf .venv-$*
+	$(if $(filter floor,$*),$(FLOOR_PYTHON),$(CEILING_PYTHON)) -m venv .venv-$*
+	$(MATRIX_PIP) .venv-$*/bin/python -m pip install --quiet --upgrade pip
+	$(MATRIX_PIP) .venv-$*/bin/python -m pip install --quiet -c constraints/$*.txt \
+		-e '.[trainer]' pytest pytest-timeout hypothesis numpy $(if $(filter floor,$*),grpcio-tools tomli)
+	.venv-$*/bin/python -m pip check
+	touch $@
+
+test-floor: .venv-floor/.installed
+	.venv-floor/bin/pytest $(CORE_TESTS) $(CORE_IGNORE) $(PYTEST_ARGS)
+
+test-ceiling: .venv-ceiling/.installed
+	.venv-ceiling/bin/pytest $(CORE_TESTS) $(CORE_IGNORE) \
+		--deselect tests/test_proto_binding.py::test_committed_binding_matches_regenerated $(PYTEST_ARGS)
+
+test-matrix: test-floor test-ceiling
+
+# pip's resolver alone: each framework stack resolves with lossreduce added exactly as
+# without it (docs/install.md). Needs the package index; about 10 minutes, 2 at a time.
+test-resolve: $(VENV)/.installed-dev
+	LOSSREDUCE_RESOLUTION=1 $(BIN)/pytest tests/install $(PYTEST_ARGS)
+
+# Frameworks whose pins conflict with ours run in environments of their own. They are
+# independent of each other and of the matrix cells (own venvs, own Ray sessions,
+# loopback ports picked free), so they run side by side, each target's output kept
+# together: it keeps `make test` well inside CI's time on 2 cores. The resolution
+# checks wait on the package index more than on the CPU, so they run beside the main
+# suite.
+test: lint docs typecheck
+	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-resolve
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal test-matrix
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
@@ -122,4 +196,4 @@ bench: $(VENV)/.installed
 	$(BIN)/lossreduce bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(AREAL_VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(AREAL_VENV) .venv-floor .venv-ceiling build *.egg-info .mypy_cache .ruff_cache .hypothesis

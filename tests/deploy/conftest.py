@@ -20,10 +20,17 @@ import yaml
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 
 
+MISSING_BINARY = "is not on PATH; install Debian's 'prometheus' package"
+"""In the skip reason of every test that needs a Prometheus binary that is missing."""
+
+INSTALL_LINE = "apt-get install -y --no-install-recommends prometheus"
+"""How .ci/run installs both binaries."""
+
+
 def _binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        message = f"{name!r} is not on PATH; install Debian's 'prometheus' package"
+        message = f"{name!r} {MISSING_BINARY}"
         if os.environ.get("CI"):
             pytest.fail(message + " (.ci/run does)")
         pytest.skip(message)
@@ -62,3 +69,18 @@ def alert_rules() -> list[dict[str, Any]]:
 def dashboard() -> dict[str, Any]:
     loaded: dict[str, Any] = json.loads((DEPLOY_DIR / "grafana/lossreduce.json").read_text())
     return loaded
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say at the end of the run, not only in ``-ra``'s list, how many tests the missing
+    binaries skipped and how to install them: a skip must not read as a pass."""
+    skipped = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if MISSING_BINARY in str(getattr(report, "longrepr", ""))
+    ]
+    if skipped:
+        terminalreporter.write_sep(
+            "-", f"{len(skipped)} Prometheus tests skipped: prometheus or promtool is missing"
+        )
+        terminalreporter.write_line(f"install both as .ci/run does: {INSTALL_LINE}")

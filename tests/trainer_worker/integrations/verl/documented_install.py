@@ -1,11 +1,19 @@
-"""The install of docs/frameworks/verl.md, run verbatim into a Python environment.
+"""The install of docs/frameworks/verl.md, run verbatim into a verl user's Python environment.
 
-The page marks one bash block (``<!-- documented-install ...``) as the install a verl
-user types. ``make test-verl`` builds ``.venv-verl`` with it and
-``test_documented_install.py`` builds a fresh environment with it, so the page, the
-test environment and the ``verl`` extra cannot drift apart. The only substitutions:
-``pip`` is the target environment's pip, and ``lossreduce[verl]`` (not on an index
-here) is this checkout with the same extra.
+The page marks one bash block (``<!-- documented-install ...``) as what a verl user
+types into the environment where they run verl, after verl's own install. ``make
+test-verl`` builds ``.venv-verl`` with it and ``test_documented_install.py`` builds a
+fresh environment with it, so the page, the test environment and the ``verl`` extra
+cannot drift apart. The only substitutions: ``pip`` is the target environment's pip,
+and ``lossreduce[verl]`` (not on an index here) is this checkout with the same extra.
+
+``--constraints FILE`` (``constraints/verl.txt``: the versions pip's resolver picks
+for ``verl[vllm]==0.9.1``) first builds the user's environment the page starts from:
+verl's ``vllm`` extra without vllm itself (:data:`VERL_ENVIRONMENT`: a GPU engine the
+CPU tests never import), at exactly those versions; then every documented command runs
+with the same constraints. A documented command that would change one of verl's
+versions (torch, protobuf, transformers, ray, ...) then fails to resolve rather than
+replacing it.
 
 Stdlib only: it runs before the environment it builds exists.
 """
@@ -19,12 +27,34 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DOCS_PAGE", "MARKER", "documented_commands", "install", "localized"]
+__all__ = [
+    "CONSTRAINTS",
+    "DOCS_PAGE",
+    "MARKER",
+    "VERL_ENVIRONMENT",
+    "documented_commands",
+    "install",
+    "install_verl_environment",
+    "localized",
+]
 
 REPO = Path(__file__).resolve().parents[4]
 DOCS_PAGE = REPO / "docs" / "frameworks" / "verl.md"
+CONSTRAINTS = REPO / "constraints" / "verl.txt"
 MARKER = "<!-- documented-install"
 PACKAGE = "lossreduce[verl]"
+
+VERL_ENVIRONMENT = (
+    "verl[verl-core]",
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "transformers",
+    "mbridge",
+)
+"""verl 0.9.1's ``vllm`` extra less ``vllm``: ``verl[verl-core]`` and the pins the extra
+adds (torch 2.11.0, torchvision 0.26.0, torchaudio 2.11.0, transformers 5.9.0) plus
+mbridge; the versions come from the constraints file."""
 
 
 class DocumentedInstallError(ValueError):
@@ -41,7 +71,12 @@ def documented_commands(page: Path = DOCS_PAGE) -> list[list[str]]:
     return [command for command in commands if command]
 
 
-def localized(command: list[str], python: Path, editable: bool = False) -> list[str]:
+def localized(
+    command: list[str],
+    python: Path,
+    editable: bool = False,
+    constraints: Path | None = None,
+) -> list[str]:
     """``command`` run with ``python``'s pip, installing this checkout for ``lossreduce[verl]``."""
     if command[:2] != ["pip", "install"]:
         raise DocumentedInstallError(
@@ -55,18 +90,35 @@ def localized(command: list[str], python: Path, editable: bool = False) -> list[
             args += ["-e", local] if editable else [local]
         else:
             args.append(arg)
+    if constraints is not None:
+        args += ["-c", str(constraints)]
     return [str(python), "-m", "pip", "install", "--quiet", *args]
 
 
-def install(python: Path, editable: bool = False) -> None:
-    """Run every documented command into the environment of ``python``."""
+def install_verl_environment(python: Path, constraints: Path = CONSTRAINTS) -> None:
+    """The environment a ``verl[vllm]==0.9.1`` user has, without vllm: the page's start."""
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "-c", str(constraints),
+         *VERL_ENVIRONMENT],
+        check=True,
+    )  # fmt: skip
+
+
+def install(python: Path, editable: bool = False, constraints: Path | None = None) -> None:
+    """Run every documented command into the environment of ``python``.
+
+    With ``constraints``, the verl environment the page starts from is installed first
+    (:func:`install_verl_environment`) and every command runs under the same pins.
+    """
     commands = documented_commands()
     if not any(PACKAGE in command for command in commands):
         raise DocumentedInstallError(
             f"{DOCS_PAGE.name}: the install block never installs {PACKAGE!r}"
         )
+    if constraints is not None:
+        install_verl_environment(python, constraints)
     for command in commands:
-        subprocess.run(localized(command, python, editable), check=True)
+        subprocess.run(localized(command, python, editable, constraints), check=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--editable", action="store_true", help="install this checkout editable (the dev venv)"
     )
+    parser.add_argument(
+        "--constraints",
+        type=Path,
+        help="the verl[vllm] resolution's versions: install verl's environment from them "
+        "first, then the documented commands under the same pins",
+    )
     options = parser.parse_args(argv)
-    install(options.python, options.editable)
+    install(options.python, options.editable, options.constraints)
     return 0
 
 

@@ -1,10 +1,13 @@
-"""The install docs/frameworks/verl.md gives a user, into a fresh environment, then
-``lossreduce train --engine verl`` and ``--verify`` in it.
+"""The install docs/frameworks/verl.md gives a verl user, into a fresh verl environment,
+then ``lossreduce train --engine verl`` and ``--verify`` in it.
 
-The environment is built with exactly the page's commands (read from the page by
-:mod:`.documented_install`; lossreduce from this checkout, not editable, as a user
-gets it), with nothing from the test environment: a package verl imports but the
-``verl`` extra leaves out fails here. pip's cache makes the build take minutes.
+The environment starts as a ``verl[vllm]==0.9.1`` user's without vllm, at the versions
+pip's resolver picks for it (``constraints/verl.txt``), and then gets exactly the
+page's commands (read from the page by :mod:`.documented_install`; lossreduce from
+this checkout, not editable, as a user gets it) under the same pins, with nothing
+from the test environment: a package the run imports that neither verl's environment
+nor the ``verl`` extra brings fails here, and so does a documented command that would
+move one of verl's versions. pip's cache makes the build take minutes.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("documented-verl") / "venv"
     # The interpreter running the tests: Python 3.11, as the page asks; not its packages.
     subprocess.run([sys.base_prefix + "/bin/python3.11", "-m", "venv", str(root)], check=True)
-    documented_install.install(root / "bin" / "python")
+    python = root / "bin" / "python"
+    documented_install.install(python, constraints=documented_install.CONSTRAINTS)
     return root
 
 
@@ -47,10 +51,42 @@ def _lossreduce(venv: Path, args: list[str], cwd: Path) -> subprocess.CompletedP
 
 def test_the_documented_install_is_every_line_of_the_block() -> None:
     commands = documented_install.documented_commands()
-    assert commands == [
-        ["pip", "install", "--upgrade", "pip"],
-        ["pip", "install", "torch==2.13.0", "lossreduce[verl]"],
-    ]
+    assert commands == [["pip", "install", "lossreduce[verl]"]]
+
+
+def test_the_verl_environment_is_verl_vllm_less_vllm_at_its_resolved_versions() -> None:
+    pins = dict(
+        line.split("==", 1)
+        for line in documented_install.CONSTRAINTS.read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    # What pip's resolver picks for verl[vllm]==0.9.1 on Python 3.11 (the page says so).
+    assert {name: pins[name] for name in ("verl", "torch", "protobuf", "transformers", "ray")} == {
+        "verl": "0.9.1",
+        "torch": "2.11.0",
+        "protobuf": "7.36.2",
+        "transformers": "5.9.0",
+        "ray": "2.60.0",
+    }
+    assert "vllm" not in pins
+
+
+def test_the_test_environment_holds_the_resolved_versions() -> None:
+    # The running interpreter is .venv-verl's (make test-verl): verl's versions, not ours.
+    import google.protobuf
+    import ray
+    import torch
+    import transformers
+
+    # torch 2.11.0 from the index, the CUDA build verl[vllm] brings (it runs on CPU),
+    # not the CPU build of another release that the machine may hold.
+    assert torch.__version__.split("+")[0] == "2.11.0"
+    assert torch.version.cuda is not None
+    assert (google.protobuf.__version__, transformers.__version__, ray.__version__) == (
+        "7.36.2",
+        "5.9.0",
+        "2.60.0",
+    )
 
 
 # The fresh environment's install takes minutes, more when the machine is busy.

@@ -8,8 +8,8 @@ built-in tiny Qwen2 over the digit task's token ids
 vLLM or SGLang servers, so the rollouts come from the job's sampler
 (:mod:`lossreduce.trainer_worker.train.rollouts`) on a plain copy of the policy
 that each worker refreshes from verl's weights after every step; the driver's
-side is :mod:`.engine`. Needs verl 0.9.1 (``pip install torch==2.13.0 'lossreduce[verl]'``):
-only :meth:`EngineSpec.load` looks for it.
+side is :mod:`.engine`. Needs verl 0.9.1 (``pip install 'lossreduce[verl]'`` into the
+environment of ``pip install 'verl[vllm]==0.9.1'``): only :meth:`EngineSpec.load` looks for it.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from lossreduce.trainer_worker.train.engines.verl.flags import check_flags
 __all__ = ["ENGINE", "INSTALL_HINT", "TESTED_VERL"]
 
 TESTED_VERL = "0.9.1"
-"""The verl version this engine is tested with (the ``verl`` extra's pin)."""
+"""The verl version this engine is tested with (the ``verl`` extra requires >=0.9.1,<0.10)."""
 INSTALL_HINT = (
-    f"pip install torch==2.13.0 'lossreduce[verl]' (verl=={TESTED_VERL}), or `make test-verl` for the "
+    f"pip install 'lossreduce[verl]' into a verl=={TESTED_VERL} environment "
+    f"(pip install 'verl[vllm]=={TESTED_VERL}'), or `make test-verl` for the "
     "repository's .venv-verl; see docs/frameworks/verl.md"
 )
 
