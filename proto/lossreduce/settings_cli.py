@@ -35,6 +35,7 @@ __all__ = [
     "SettingsParser",
     "add_settings_flags",
     "env_name",
+    "field_choices",
     "flag_name",
     "given_settings",
     "parse_settings",
@@ -91,7 +92,9 @@ def _nullable(annotation: object) -> bool:
     return type(None) in _members(annotation)
 
 
-def _choices(annotation: object) -> list[str]:
+def field_choices(annotation: object) -> list[str]:
+    """The values a ``Literal`` or ``Enum`` annotation (or ``X | None`` of one) allows,
+    as text; empty for any other annotation."""
     choices: list[str] = []
     for member in _members(annotation):
         if typing.get_origin(member) is typing.Literal:
@@ -172,7 +175,7 @@ def add_settings_flags(
             )
             continue
         # Choices are checked by the model, so a bad one reads like every other bad value.
-        choices = _choices(field.annotation)
+        choices = field_choices(field.annotation)
         parser.add_argument(
             flag_name(name),
             dest=name,

@@ -3,9 +3,11 @@
 Every field of :class:`TrainSettings` is a flag named by the one rule of
 :mod:`lossreduce.settings_cli` (``--field-name``; booleans also get
 ``--no-field-name``) whose help is the field's description. Values are
-validated by the settings model, so a bad one gives one line naming the flag
-and the value. Exit status: 0 on success, 1 when the run or ``--verify``
-fails, 2 for bad arguments.
+validated by the settings model before Ray starts, and so are the
+``LOSSREDUCE_*`` variables the chosen engine's workers would read: a bad one
+gives one line naming the flag (or variable), the value and what is allowed,
+the message of a :class:`~lossreduce.errors.ReductionConfigError`. Exit status:
+0 on success, 1 when the run or ``--verify`` fails, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.markup import escape
 
+from lossreduce.errors import ReductionConfigError
 from lossreduce.settings_cli import (
     FlagError,
     SettingsParser,
     add_settings_flags,
-    parse_settings,
+    flag_name,
+    given_settings,
 )
-from lossreduce.trainer_worker.train.engines.registry import engine_names
+from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
+from lossreduce.trainer_worker.train.engines.registry import engine_names, get_engine
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 
 __all__ = ["PROG", "build_parser", "main", "settings_from_argv"]
@@ -55,8 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_argv(argv: Sequence[str]) -> TrainSettings:
-    """Flags -> validated settings; raises :class:`~lossreduce.settings_cli.FlagError`."""
-    return parse_settings(TrainSettings, build_parser().parse_args(list(argv)))
+    """Flags -> validated settings, with the engine's ``LOSSREDUCE_*`` variables checked.
+
+    Raises :class:`~lossreduce.settings_cli.FlagError` for flags argparse refuses
+    (unknown, missing value) and :class:`~lossreduce.errors.ReductionConfigError` for a
+    bad value, naming its flag or variable, the value and what is allowed.
+    """
+    given = given_settings(build_parser().parse_args(list(argv)), TrainSettings)
+    settings = validate_settings(
+        TrainSettings, given, what="", sources={name: flag_name(name) for name in given}
+    )
+    get_engine(settings.engine).check_environment(settings)
+    return settings
 
 
 def main(argv: Sequence[str]) -> int:
@@ -64,6 +79,8 @@ def main(argv: Sequence[str]) -> int:
         settings = settings_from_argv(argv)
     except FlagError as err:
         return err.report(PROG)
+    except ReductionConfigError as err:
+        return FlagError(str(err)).report(PROG)
 
     from lossreduce.trainer_worker.train.driver import TrainingFailedError, run
 

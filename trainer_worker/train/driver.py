@@ -311,7 +311,12 @@ def run(
     console: Console | None = None,
     observers: Sequence[StepObserver] = (),
 ) -> RunResult:
-    """Run training (or ``--verify``) end to end; raise :class:`TrainingFailedError` on failure."""
+    """Run training (or ``--verify``) end to end; raise :class:`TrainingFailedError` on failure.
+
+    A bad ``LOSSREDUCE_*`` variable the engine's workers would read raises
+    :class:`~lossreduce.errors.ReductionConfigError` naming it, before Ray starts.
+    """
+    get_engine(settings.engine).check_environment(settings)
     console = console or Console()
     now = datetime.now(UTC)
     # One draw for the whole run: every worker gets it in its settings, so all ranks

@@ -261,9 +261,9 @@ def test_empty_step_raises_on_every_rank_with_the_torch_backend_too(tmp_path: Pa
     ("argv", "expected"),
     [
         (["--workers", "0"], "--workers 0: Input should be greater than or equal to 1"),
-        (["--mode", "mean"], "--mode mean: Input should be 'token_mean'"),
+        (["--mode", "mean"], "--mode mean: must be one of token_mean, seq_mean"),
         (["--divisor", "8"], "--divisor 8 is only valid with --mode constant"),
-        (["--placement", "pack"], "--placement pack: Input should be 'PACK'"),
+        (["--placement", "pack"], "--placement pack: must be one of PACK, SPREAD"),
         (["--coordinator", "nohost"], "--coordinator nohost: String should match pattern"),
         (["--lr", "inf"], "--lr inf: Input should be a finite number"),
         # Ray's wait and torch.distributed's timedelta overflow on these: reject them here.
@@ -276,7 +276,7 @@ def test_empty_step_raises_on_every_rank_with_the_torch_backend_too(tmp_path: Pa
             ["--aggregation", "node", "--normalizer", "torch"],
             "--aggregation node needs --normalizer coordinator",
         ),
-        (["--aggregation", "rack"], "--aggregation rack: Input should be 'auto', 'node' or 'off'"),
+        (["--aggregation", "rack"], "--aggregation rack: must be one of auto, node, off"),
         (["--steps"], "argument --steps: expected one argument"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],

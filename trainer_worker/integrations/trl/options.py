@@ -1,17 +1,20 @@
 """What :class:`~lossreduce.trainer_worker.integrations.trl.LossReduceGRPOTrainer` supports:
-the TRL versions it was tested with, its loss terms, and the GRPOConfig options it refuses.
+the TRL versions it was tested with, its loss terms, its reduction settings as validated
+from its ``reduction`` argument and ``LOSSREDUCE_*``, and the GRPOConfig options it refuses.
 
 Imports no TRL, so the version check can run before TRL's own modules load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from packaging.version import Version
 
 from lossreduce.errors import ReductionConfigError
 from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
+from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
 
 __all__ = [
     "CLIPPED",
@@ -21,6 +24,7 @@ __all__ = [
     "TOKEN_SUM",
     "TRL_TESTED",
     "check_trl_version",
+    "reduction_settings",
     "refuse_unsupported",
 ]
 
@@ -47,6 +51,22 @@ def check_trl_version(version: str) -> None:
             f"LossReduceGRPOTrainer was tested with trl>={low},<{high}, but trl {version} is "
             f"installed; install a tested version with pip install 'lossreduce[trl]'"
         )
+
+
+def reduction_settings(
+    reduction: GRPOReductionSettings | Mapping[str, Any] | None,
+) -> GRPOReductionSettings:
+    """The trainer's ``reduction`` argument as settings: as given, or validated from a
+    mapping of fields (named ``reduction.<field>``) over ``LOSSREDUCE_*`` variables;
+    :class:`ReductionConfigError` names every bad value, its source and what is allowed."""
+    if isinstance(reduction, GRPOReductionSettings):
+        return reduction
+    return validate_settings(
+        GRPOReductionSettings,
+        reduction,
+        what="LossReduceGRPOTrainer reduction settings",
+        key_prefix="reduction",
+    )
 
 
 def refuse_unsupported(args: Any, settings: GRPOReductionSettings) -> None:
@@ -82,7 +102,7 @@ def refuse_unsupported(args: Any, settings: GRPOReductionSettings) -> None:
     if problems:
         raise ReductionConfigError(
             f"LossReduceGRPOTrainer (job {settings.job!r}, mode {settings.mode.value!r}) cannot "
-            f"honour: {'; '.join(problems)}",
+            f"honour these GRPOConfig options: {'; '.join(problems)}",
             job=settings.job,
             group=settings.group,
         )

@@ -49,7 +49,7 @@ never imports TRL, only this module does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ from lossreduce.trainer_worker.integrations.trl.options import (
     KL_TERM,
     POLICY_TERM,
     check_trl_version,
+    reduction_settings,
     refuse_unsupported,
 )
 from lossreduce.trainer_worker.integrations.trl.window import MicroStep, Window, loss_mask
@@ -106,8 +107,11 @@ class _CloseClient(TrainerCallback):  # type: ignore[misc]
 class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
     """A :class:`trl.GRPOTrainer` whose loss is normalized by lossreduce.
 
-    Takes GRPOTrainer's arguments (all but the first two by keyword) plus ``reduction``
-    (default: read from ``LOSSREDUCE_*`` variables). ``reduction_run`` is this run's
+    Takes GRPOTrainer's arguments (all but the first two by keyword) plus ``reduction``:
+    :class:`GRPOReductionSettings`, or a mapping of some of its fields, the others (all of
+    them by default) read from ``LOSSREDUCE_*`` variables; a bad value raises
+    :class:`~lossreduce.errors.ReductionConfigError` naming it (``reduction.mode=...``
+    or ``LOSSREDUCE_MODE=...``) and what is allowed, before TRL's own setup. ``reduction_run`` is this run's
     identity (:mod:`~lossreduce.trainer_worker.integrations.run_identity`) and
     ``reduction_job`` the job its rounds carry (``trl-grpo-<run>`` unless a job is
     set). Each optimizer step's round is numbered by TRL's ``state.global_step``, so
@@ -140,9 +144,11 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         tools: list[Callable[..., Any]] | None = None,
         rollout_func: Any = None,
         environment_factory: Any = None,
-        reduction: GRPOReductionSettings | None = None,
+        reduction: GRPOReductionSettings | Mapping[str, Any] | None = None,
     ) -> None:
-        self.reduction_settings = reduction if reduction is not None else GRPOReductionSettings()
+        # First, before TRL loads a model or starts anything distributed: a bad
+        # setting costs nothing and is named with where it came from.
+        self.reduction_settings = reduction_settings(reduction)
         if args is not None:
             refuse_unsupported(args, self.reduction_settings)
         super().__init__(

@@ -12,7 +12,11 @@ before verl validates a launch's config (the plugin wraps verl's
   ``sync`` trains verl's own actor, and verl's asynchronous modes
   (``colocate_async``, ``separate_async``) are refused by name: their actor is
   verl's, and lossreduce has no asynchronous variant of its trainer mode (tested
-  with the synchronous PPO trainer only).
+  with the synchronous PPO trainer only);
+- a bad value in the settings themselves (the ``actor_rollout_ref.lossreduce``
+  block over ``LOSSREDUCE_*``), by :func:`reduction_settings`, naming the key or
+  the variable, the value and what is allowed: in seconds, where the workers
+  would refuse it only after Ray, TransferQueue and the rollout started.
 
 Reads the config through OmegaConf and imports no verl.
 """
@@ -24,8 +28,16 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
+from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 
-__all__ = ["ASYNC_TRAINER_MODES", "SETTINGS_KEY", "TRAINER_MODE", "check_launch"]
+__all__ = [
+    "ASYNC_TRAINER_MODES",
+    "SETTINGS_KEY",
+    "TRAINER_MODE",
+    "check_launch",
+    "reduction_settings",
+]
 
 TRAINER_MODE = "lossreduce"
 """The ``trainer.v1.trainer_mode`` that selects lossreduce's actor."""
@@ -59,3 +71,21 @@ def check_launch(config: Any) -> None:
             f"{SETTINGS_KEY} is set, but trainer.v1.trainer_mode={mode} is {why}: "
             f"set trainer.v1.trainer_mode={TRAINER_MODE}"
         )
+    if mode == TRAINER_MODE:
+        reduction_settings(OmegaConf.select(config, SETTINGS_KEY, default=None))
+
+
+def reduction_settings(block: Any) -> VerlReductionSettings:
+    """The launch's ``actor_rollout_ref.lossreduce`` block (a mapping, an OmegaConf node
+    or None) over ``LOSSREDUCE_*``, validated; :class:`ReductionConfigError` names each bad
+    key (``actor_rollout_ref.lossreduce.mode=bogus``) or variable, its value and what is
+    allowed. The driver checks it before Ray starts; every worker builds its settings here
+    too, from the block verl hands it."""
+    if OmegaConf.is_config(block):
+        block = OmegaConf.to_container(block, resolve=True)
+    return validate_settings(
+        VerlReductionSettings,
+        dict(block or {}),
+        what="verl's lossreduce settings",
+        key_prefix=SETTINGS_KEY,
+    )

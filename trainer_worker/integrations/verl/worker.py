@@ -62,6 +62,7 @@ from lossreduce.errors import (
     ReductionInputError,
 )
 from lossreduce.trainer_worker.integrations.run_identity import resolve_run
+from lossreduce.trainer_worker.integrations.verl.launch import reduction_settings
 from lossreduce.trainer_worker.integrations.verl.loss import (
     ROW_WEIGHT_KEY,
     StepNormalizers,
@@ -418,9 +419,8 @@ class LossReduceActorRolloutRefWorker(ActorRolloutRefWorker):  # type: ignore[mi
 
     def __init__(self, config: Any, role: str, distillation_config: Any = None) -> None:
         super().__init__(config, role, distillation_config=distillation_config)
-        given = config.get("lossreduce", None)
         # Explicit fields win over LOSSREDUCE_* (pydantic-settings reads those in __init__).
-        self.reduction_settings = VerlReductionSettings(**(dict(given) if given else {}))
+        self.reduction_settings = reduction_settings(config.get("lossreduce", None))
         self.actor_worker_cls: Callable[..., LossReduceTrainingWorker] = functools.partial(
             LossReduceTrainingWorker, reduction=self.reduction_settings
         )

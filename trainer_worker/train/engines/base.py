@@ -12,6 +12,7 @@ and drives it through :class:`Engine`.
 Life of an engine in one run::
 
     spec.check_flags(settings)          # TrainSettings' validator: before anything starts
+    spec.check_environment(settings)    # LOSSREDUCE_* its workers read: before Ray starts
     engine = spec.load()(settings, job, out_dir)   # before Ray: bad input costs nothing
     engine.start(cluster)               # the workers, in their placement bundles
     engine.describe()                   # the run's first line
@@ -108,3 +109,9 @@ class EngineSpec:
     """Raise ValueError naming the first flag this engine cannot honour; pure."""
     load: Callable[[], EngineFactory]
     """Import the engine (and its framework) and return its factory."""
+    check_environment: Callable[[TrainSettings], None] = field(
+        default=lambda settings: None  # most engines' workers read no LOSSREDUCE_* variable
+    )
+    """Raise :class:`~lossreduce.errors.ReductionConfigError` naming each bad
+    ``LOSSREDUCE_*`` variable its workers would read (for what no flag sets); no Ray,
+    no framework."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,51 @@ def test_options_it_cannot_honour_are_refused_at_construction(
             str(tmp_path / "absent"), None, args=args, reduction=settings
         )
     assert named in str(caught.value)
+
+
+@trl_needed
+def test_a_bad_lossreduce_variable_is_refused_before_trl_loads_anything(
+    trl_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOSSREDUCE_MODE", "bogus")
+    started = time.monotonic()
+    with pytest.raises(ReductionConfigError) as caught:
+        # The model path is never opened: the settings come first.
+        trl_module.LossReduceGRPOTrainer(str(tmp_path / "absent"), None)
+    assert time.monotonic() - started < 5
+    assert str(caught.value) == (
+        "LossReduceGRPOTrainer reduction settings: LOSSREDUCE_MODE=bogus: must be one of "
+        "token_mean, seq_mean, prompt_mean, constant"
+    )
+
+
+@trl_needed
+def test_bad_reduction_arguments_are_named_as_arguments(
+    trl_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOSSREDUCE_ON_EMPTY_STEP", "skip")  # given below: not the source
+    with pytest.raises(ReductionConfigError) as caught:
+        trl_module.LossReduceGRPOTrainer(
+            str(tmp_path / "absent"),
+            None,
+            reduction={"on_empty_step": "never", "overlap": "sometimes"},
+        )
+    assert str(caught.value) == (
+        "LossReduceGRPOTrainer reduction settings: reduction.on_empty_step=never: must be one "
+        "of raise, skip; reduction.overlap=sometimes: Input should be a valid boolean, unable "
+        "to interpret input (allowed: true or false)"
+    )
+
+
+@trl_needed
+def test_a_mapping_of_reduction_fields_is_read_over_the_variables(
+    trl_module: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lossreduce.trainer_worker.integrations.trl.options import reduction_settings
+
+    monkeypatch.setenv("LOSSREDUCE_JOB", "from-env")
+    monkeypatch.setenv("LOSSREDUCE_MODE", "token_mean")
+    settings = reduction_settings({"mode": "seq_mean"})
+    assert (settings.mode, settings.job) == ("seq_mean", "from-env")
+    given = GRPOReductionSettings(job="given")
+    assert reduction_settings(given) is given

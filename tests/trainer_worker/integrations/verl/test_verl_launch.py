@@ -98,3 +98,57 @@ def test_main_ppo_stops_in_its_driver_before_ray_starts(tmp_path: Path) -> None:
     assert "ReductionConfigError" in done.stderr, done.stderr[-3000:]
     assert "set trainer.use_v1=True" in done.stderr
     assert "ray init kwargs" not in done.stdout  # stopped before main_ppo starts Ray
+
+
+@pytest.mark.parametrize(
+    ("overrides", "environ", "source"),
+    [
+        (
+            ["trainer.v1.trainer_mode=lossreduce", "+actor_rollout_ref.lossreduce.mode=bogus"],
+            {},
+            "actor_rollout_ref.lossreduce.mode=bogus",
+        ),
+        (
+            ["trainer.v1.trainer_mode=lossreduce"],
+            {"LOSSREDUCE_MODE": "bogus"},
+            "LOSSREDUCE_MODE=bogus",
+        ),
+    ],
+)
+def test_a_bad_setting_is_refused_before_ray_naming_its_source(
+    overrides: list[str], environ: dict[str, str], source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ReductionConfigError) as caught:
+        check_launch(composed(overrides))
+    first_line = str(caught.value).splitlines()[0]
+    assert source in first_line
+    for allowed in ("token_mean", "seq_mean", "prompt_mean", "constant"):
+        assert allowed in first_line
+
+
+def test_main_ppo_refuses_a_bad_setting_in_its_driver_before_ray_starts(tmp_path: Path) -> None:
+    """The real entry point: a bogus mode stops the launch in seconds, not after the
+    workers start (they would refuse it too, inside a Ray actor error)."""
+    env = {**os.environ, "VERL_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            "trainer.v1.trainer_mode=lossreduce",
+            "+actor_rollout_ref.lossreduce.mode=bogus",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "ReductionConfigError" in done.stderr, done.stderr[-3000:]
+    assert "actor_rollout_ref.lossreduce.mode=bogus" in done.stderr
+    assert "ray init kwargs" not in done.stdout  # stopped before main_ppo starts Ray

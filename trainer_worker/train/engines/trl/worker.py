@@ -39,10 +39,9 @@ from trl import GRPOConfig
 
 from lossreduce.client import ClientSettings
 from lossreduce.ports import free_port
-from lossreduce.trainer_worker.integrations import GRPOReductionSettings, NormalizerBackend
+from lossreduce.trainer_worker.integrations import GRPOReductionSettings
 from lossreduce.trainer_worker.integrations.trl import LossReduceGRPOTrainer
-from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
-from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
+from lossreduce.trainer_worker.train.engines.trl.reduction import reduction_settings
 from lossreduce.trainer_worker.train.engines.trl.task import (
     DigitReward,
     prompt_dataset,
@@ -77,33 +76,20 @@ def rows_per_device(settings: TrainSettings, world_size: int) -> int:
     return rows // (world_size * settings.microbatches)
 
 
-def reduction_settings(
-    settings: TrainSettings,
-    job: str,
-    *,
-    normalizer: NormalizerBackend,
-    coordinator: str | None = None,
-    client: ClientSettings | None = None,
-) -> GRPOReductionSettings:
-    """The trainer's reduction: the run's mode, divisor and empty-step rule."""
-    return GRPOReductionSettings(
-        mode=PolicyGradientMode(settings.mode),
-        divisor=settings.effective_divisor,
-        normalizer=normalizer,
-        coordinator=coordinator,
-        client=client or ClientSettings(),
-        on_empty_step=settings.on_empty_step,
-        job=job,
-        group=REDUCTION_GROUP,
-        run=settings.run,
-    )
-
-
 def grpo_config(
     settings: TrainSettings, out_dir: Path, world_size: int, *, steps: int, verify: bool
 ) -> GRPOConfig:
     """TRL's configuration of the run: one optimizer step = one generation batch =
     ``--prompts-per-step`` prompts x ``--samples-per-prompt`` completions over all processes."""
+    # TRL turns checkpointing on by default, which the tiny model does not need;
+    # transformers calls the switch activation_checkpointing from 5.2x on,
+    # gradient_checkpointing before (trl[vllm]==1.16.0 resolves to transformers 5.17).
+    fields = GRPOConfig.__dataclass_fields__
+    checkpointing = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
     return GRPOConfig(
         output_dir=str(out_dir),
         use_cpu=not torch.cuda.is_available(),
@@ -112,7 +98,7 @@ def grpo_config(
         disable_tqdm=True,
         save_strategy="no",
         logging_steps=1,
-        activation_checkpointing=False,
+        **{checkpointing: False},
         ddp_find_unused_parameters=False,
         per_device_train_batch_size=rows_per_device(settings, world_size),
         gradient_accumulation_steps=settings.microbatches,
