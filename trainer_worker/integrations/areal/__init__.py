@@ -53,7 +53,7 @@ try:
 except PackageNotFoundError as err:  # pragma: no cover - exercised only without AReaL
     raise ImportError(
         "lossreduce.trainer_worker.integrations.areal needs AReaL: pip install "
-        "'lossreduce[areal]' and then areal==1.0.4 --no-deps (docs/frameworks/areal.md)"
+        "areal==1.0.4 and then 'lossreduce[areal]' (docs/frameworks/areal.md)"
     ) from err
 check_areal_version(_installed)
 

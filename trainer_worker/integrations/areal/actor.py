@@ -73,6 +73,7 @@ from lossreduce.trainer_worker.integrations.areal.plan import (
 )
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
 from lossreduce.trainer_worker.integrations.run_identity import resolve_run
+from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
 from lossreduce.trainer_worker.normalizers import (
     CoordinatorNormalizer,
     GlobalNormalizer,
@@ -204,7 +205,13 @@ class LossReduceActorMixin:
     config: Any
 
     def __init__(self, config: Any, *, reduction: ArealReductionSettings | None = None) -> None:
-        settings = reduction if reduction is not None else ArealReductionSettings()
+        settings = (
+            reduction
+            if reduction is not None
+            else validate_settings(
+                ArealReductionSettings, what="the AReaL actor's reduction settings"
+            )
+        )
         refuse_unsupported(config, settings)
         super().__init__(config)  # type: ignore[call-arg]
         self.reduction_settings = settings

@@ -16,6 +16,7 @@ from lossreduce.errors import ReductionConfigError
 from lossreduce.trainer_worker.integrations.areal.actor import refuse_unsupported
 from lossreduce.trainer_worker.integrations.areal.actors import lossreduce_actor
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
+from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 
 __all__ = ["LossReducePPOTrainer"]
@@ -38,7 +39,15 @@ class LossReducePPOTrainer(PPOTrainer):  # type: ignore[misc]
         *,
         reduction: ArealReductionSettings | None = None,
     ) -> None:
-        self.reduction_settings = reduction if reduction is not None else ArealReductionSettings()
+        # Before AReaL's init starts its scheduler, rollout and engines: a bad LOSSREDUCE_*
+        # variable is one line naming it, in seconds.
+        self.reduction_settings = (
+            reduction
+            if reduction is not None
+            else validate_settings(
+                ArealReductionSettings, what="LossReducePPOTrainer's reduction settings"
+            )
+        )
         settings = self.reduction_settings
         refuse_unsupported(config.actor, settings)
         if (

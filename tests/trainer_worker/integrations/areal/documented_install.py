@@ -4,13 +4,15 @@ The page's install commands sit in one ``bash`` block between the markers
 ``<!-- areal-install:begin -->`` and ``<!-- areal-install:end -->``. This
 script reads them and runs each with a given interpreter's pip, so that
 ``make test-areal``'s environment and ``test_documented_install.py``'s fresh
-one are built by what a user reads, and cannot drift from it. Two things
-change, both stated here:
+one are built by what a user reads, and cannot drift from it. The page
+installs AReaL with its own dependencies, then lossreduce into that
+environment. Two things change, both stated here:
 
 - ``lossreduce[areal]`` names this checkout (``<root>[areal]``, editable with
   ``--editable``): the package under test, not the one on the index;
-- ``--constraints FILE`` pins every dependency to the versions tested
-  (``constraints.txt``), so CI does not move when the index does.
+- ``--constraints FILE`` pins every package of every command to the versions
+  tested (``constraints/areal.txt``: AReaL's own resolution, then what
+  lossreduce adds to it), so CI does not move when the index does.
 
 Usage: ``python documented_install.py --python VENV/bin/python
 [--constraints FILE] [--editable] [--print]``.
@@ -55,7 +57,7 @@ def pip_arguments(command: str, constraints: Path | None, editable: bool) -> lis
             out += ["-e", local] if editable else [local]
         else:
             out.append(word)
-    if constraints is not None and "--no-deps" not in words:
+    if constraints is not None:
         out += ["-c", str(constraints)]
     return out
 

@@ -182,3 +182,22 @@ def test_lossreduce_actor_puts_the_mixin_first_once_per_class() -> None:
     made = lossreduce_actor(OtherActor)
     assert made.__mro__[1:3] == (LossReduceActorMixin, OtherActor)
     assert lossreduce_actor(OtherActor) is made
+
+
+@pytest.mark.parametrize("build", ["trainer", "actor"])
+def test_a_bad_variable_is_refused_before_areal_starts_naming_it(
+    build: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line naming the variable, its value and the choices, before AReaL's own init
+    (here, before it reads its config at all)."""
+    monkeypatch.setenv("LOSSREDUCE_MODE", "bogus")
+    with pytest.raises(ReductionConfigError) as caught:
+        if build == "trainer":
+            LossReducePPOTrainer(config=None)
+        else:
+            LossReduceFSDPPPOActor(config=None)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "LOSSREDUCE_MODE=bogus: must be one of token_mean, seq_mean, prompt_mean, constant" in (
+        message
+    )

@@ -1,15 +1,19 @@
 """The AReaL install a user reads works: a fresh environment built with exactly the
-commands of docs/frameworks/areal.md imports the integration and runs
-``lossreduce train --engine areal``; the README gives the same commands.
+commands of docs/frameworks/areal.md (AReaL with its own dependencies, then
+lossreduce) has no broken requirement, holds the tested versions, imports the
+integration and runs ``lossreduce train --engine areal``; the README gives the
+same commands.
 
 The fresh environment reuses pip's cache and index; only this checkout stands in
-for ``lossreduce[areal]``, and the constraints file pins the dependencies
+for ``lossreduce[areal]``, and constraints/areal.txt pins every package
 (``documented_install.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +23,34 @@ import pytest
 from tests.trainer_worker.integrations.areal import documented_install
 
 ROOT = documented_install.ROOT
-CONSTRAINTS = Path(__file__).resolve().parent / "constraints.txt"
+CONSTRAINTS = ROOT / "constraints" / "areal.txt"
+
+
+def _pinned() -> dict[str, str]:
+    """constraints/areal.txt as {normalized name: version}."""
+    pins: dict[str, str] = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def test_the_constraints_keep_areals_own_choices() -> None:
+    pins = _pinned()
+    assert pins["areal"] == "1.0.4"
+    assert pins["torch"] == "2.10.0"
+    assert pins["protobuf"].startswith("6.")
+    assert pins["transformers"] == "5.3.0"
+    assert pins["swanlab"] == "0.6.12"
 
 
 def test_the_readme_gives_the_documented_commands() -> None:
     readme = (ROOT / "README.md").read_text()
     commands = documented_install.documented_commands()
     assert commands == [
+        "pip install areal==1.0.4",
         "pip install 'lossreduce[areal]'",
-        "pip install --no-deps areal==1.0.4 swanlab==0.6.12",
     ]
     for command in commands:
         assert f"`{command}`" in readme, command
@@ -58,6 +81,20 @@ def test_a_fresh_environment_from_the_documented_commands_trains(tmp_path: Path)
         ],
         900,
     )
+    # No broken requirement (an install without AReaL's dependencies left some).
+    assert "No broken requirements found." in _run([python, "-m", "pip", "check"], 300)
+    # Every package is the pinned one: torch 2.10.0 from the index, not a local build.
+    listed = json.loads(_run([python, "-m", "pip", "list", "--format", "json"], 300))
+    installed = {re.sub(r"[-_.]+", "-", p["name"]).lower(): p["version"] for p in listed}
+    pins = _pinned()
+    assert installed["torch"] == "2.10.0", installed["torch"]
+    assert installed["areal"] == "1.0.4", installed["areal"]
+    unpinned = {
+        n: v for n, v in installed.items() if n not in pins and n not in {"lossreduce", "pip"}
+    }
+    assert unpinned == {}, unpinned
+    moved = {n: (v, pins[n]) for n, v in installed.items() if n in pins and v != pins[n]}
+    assert moved == {}, moved
     # The installed package, not this checkout: run outside the repository.
     found = subprocess.run(
         [

@@ -51,6 +51,6 @@ def test_a_missing_areal_fails_before_ray_starts_saying_how_to_install_it(
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("--engine areal: ")
-    assert "needs AReaL: pip install 'lossreduce[areal]' and then areal==1.0.4 --no-deps" in message
+    assert "needs AReaL: pip install areal==1.0.4 and then 'lossreduce[areal]'" in message
     assert not ray.is_initialized()
     assert not (tmp_path / "model").exists()  # nothing was built either
