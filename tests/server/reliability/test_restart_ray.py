@@ -121,4 +121,5 @@ def test_a_restarted_coordinator_actor_answers_from_its_journal(
         assert {t: v.hex() for t, v in retried.items()} == {t: v.hex() for t, v in answered.items()}
     finally:
         handle.stop()
-    assert not journal.exists(), "the driver removes the journal when the run ends"
+    left = sorted(p.name for p in tmp_path.glob(f"{journal.name}*"))
+    assert left == [], f"the driver removes the journal (and -wal, -shm) at the end: {left}"

@@ -5,6 +5,14 @@ own (logical) CPUs: placement groups, node affinity and node death behave as
 on a cluster of machines, though every node shares this machine's IP. The
 GCS health check is tightened so a removed raylet is declared dead in a few
 seconds rather than Ray's default of about 15.
+
+The head gets ``dashboard_port=None``: with a port given (``Cluster``'s
+default is 8265, even with the dashboard off) Ray's ``start_api_server``
+(ray/_private/services.py) first binds a test socket to it and, when another
+Ray on this machine holds the port, raises without closing that socket; it is
+collected later, inside some other test, as an unclosed-socket
+``ResourceWarning`` (an error under ``-W error``). With None Ray skips that
+check and lets the API server pick a port itself.
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ def _start_cluster(nodes: int) -> Cluster:
             head_node_args={
                 "num_cpus": NODE_CPUS,
                 "include_dashboard": False,
+                # No port check, hence no socket leaked by it (see the module docstring).
+                "dashboard_port": None,
                 "_system_config": {
                     "health_check_period_ms": 1000,
                     "health_check_failure_threshold": 3,
