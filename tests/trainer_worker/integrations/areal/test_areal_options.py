@@ -191,11 +191,9 @@ def test_a_bad_variable_is_refused_before_areal_starts_naming_it(
     """One line naming the variable, its value and the choices, before AReaL's own init
     (here, before it reads its config at all)."""
     monkeypatch.setenv("LOSSREDUCE_MODE", "bogus")
+    cls = LossReducePPOTrainer if build == "trainer" else LossReduceFSDPPPOActor
     with pytest.raises(ReductionConfigError) as caught:
-        if build == "trainer":
-            LossReducePPOTrainer(config=None)
-        else:
-            LossReduceFSDPPPOActor(config=None)
+        cls(config=None)
     message = str(caught.value)
     assert "\n" not in message
     assert "LOSSREDUCE_MODE=bogus: must be one of token_mean, seq_mean, prompt_mean, constant" in (
