@@ -83,15 +83,29 @@ _OTHER_LOAD_PROCESSES = 8
 (--load-processes) and the Ray drivers (--ray-processes), at their defaults."""
 
 
+def _available_memory() -> int:
+    """Bytes a new process can have: Linux's MemAvailable, which counts the page cache as
+    free. Free pages alone (``SC_AVPHYS_PAGES``) shrink to little once a machine has read
+    a few GB of files (a pip install), and gloo was then skipped at N=4 on 24 GiB."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 * 1024**3
+
+
 def default_max_processes() -> int:
     """How many one-rank processes this machine holds: bounded by memory, by
     the open-file limit (a gloo rank keeps a socket to every peer) and at 64."""
     soft_files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     by_files = int((soft_files - 256) ** 0.5)  # the driver's store sees ~N^2/N sockets per rank
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = 8 * 1024**3
+    available = _available_memory()
     # The shared and the Ray load processes (4 each by default) run beside gloo's.
     by_memory = int(available * 0.5) // _PROCESS_MEMORY_BYTES - _OTHER_LOAD_PROCESSES
     return max(2, min(64, by_files, by_memory))
