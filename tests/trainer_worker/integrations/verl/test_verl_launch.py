@@ -80,13 +80,13 @@ def test_a_launch_that_would_not_run_lossreduce_is_refused_naming_the_flag(
     assert message in str(caught.value)
 
 
-def test_main_ppo_stops_in_its_driver_before_ray_starts(tmp_path: Path) -> None:
-    """The legacy trainer with lossreduce's settings: the real entry point, in a fresh
-    process that loads the plugin through verl's entry point as a user's does."""
+def main_ppo(tmp_path: Path, overrides: list[str]) -> subprocess.CompletedProcess[str]:
+    """The real entry point, in a fresh process that loads the plugin through verl's entry
+    point as a user's does."""
     env = {**os.environ, "VERL_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", "trainer.use_v1=False", *LOSSREDUCE],
+    return subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
         capture_output=True,
         text=True,
         timeout=180,
@@ -94,6 +94,11 @@ def test_main_ppo_stops_in_its_driver_before_ray_starts(tmp_path: Path) -> None:
         cwd=tmp_path,  # Hydra writes its outputs/ folder here
         check=False,
     )
+
+
+def test_main_ppo_stops_in_its_driver_before_ray_starts(tmp_path: Path) -> None:
+    """The legacy trainer with lossreduce's settings."""
+    done = main_ppo(tmp_path, ["trainer.use_v1=False", *LOSSREDUCE])
     assert done.returncode != 0
     assert "ReductionConfigError" in done.stderr, done.stderr[-3000:]
     assert "set trainer.use_v1=True" in done.stderr
@@ -129,24 +134,10 @@ def test_a_bad_setting_is_refused_before_ray_naming_its_source(
 
 
 def test_main_ppo_refuses_a_bad_setting_in_its_driver_before_ray_starts(tmp_path: Path) -> None:
-    """The real entry point: a bogus mode stops the launch in seconds, not after the
-    workers start (they would refuse it too, inside a Ray actor error)."""
-    env = {**os.environ, "VERL_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verl.trainer.main_ppo",
-            "trainer.v1.trainer_mode=lossreduce",
-            "+actor_rollout_ref.lossreduce.mode=bogus",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        cwd=tmp_path,
-        check=False,
+    """A bogus mode stops the launch in seconds, not after the workers start (they would
+    refuse it too, inside a Ray actor error)."""
+    done = main_ppo(
+        tmp_path, ["trainer.v1.trainer_mode=lossreduce", "+actor_rollout_ref.lossreduce.mode=bogus"]
     )
     assert done.returncode != 0
     assert "ReductionConfigError" in done.stderr, done.stderr[-3000:]
