@@ -44,6 +44,10 @@ def _device_module() -> Any:
         empty_cache=_nothing,
         manual_seed=torch.manual_seed,
         manual_seed_all=torch.manual_seed,
+        # verl's checkpoints save and restore the device generator beside the CPU one
+        # (BaseCheckpointManager.get_rng_state / load_rng_state); here they are one generator.
+        get_rng_state=lambda *_: torch.get_rng_state(),
+        set_rng_state=lambda state, *_: torch.set_rng_state(state),
         max_memory_allocated=_zero,
         max_memory_reserved=_zero,
         memory_allocated=_zero,
