@@ -74,13 +74,12 @@ PIP_TIMEOUT_S = 1200
 
 
 @dataclass(frozen=True)
-class Stack:
-    """A framework's install, resolved alone and with ``lossreduce[extra]`` on ``python``."""
+class _Install:
+    """A framework's install (``specs``) on ``python``."""
 
     name: str
     python: str
     specs: tuple[str, ...]
-    extra: str
 
     @property
     def id(self) -> str:
@@ -88,17 +87,17 @@ class Stack:
 
 
 @dataclass(frozen=True)
-class Unresolvable:
+class Stack(_Install):
+    """A framework's install, resolved alone and with ``lossreduce[extra]`` on ``python``."""
+
+    extra: str
+
+
+@dataclass(frozen=True)
+class Unresolvable(_Install):
     """A framework's install that pip cannot resolve even alone; ``expect`` is in pip's reason."""
 
-    name: str
-    python: str
-    specs: tuple[str, ...]
     expect: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.name}@{self.python}"
 
 
 STACKS: tuple[Stack, ...] = (
