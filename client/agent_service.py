@@ -3,8 +3,8 @@ around the agent's own logic (:class:`AgentCore`, which
 :class:`~lossreduce.client.agent.NodeAgent` implements).
 
 ``Reduce`` and ``ReduceStream`` hand every request to the agent and answer in
-request order, as the coordinator does; ``GetRound`` and ``ListRounds`` are
-forwarded upstream with the agent's own credentials.
+request order, as the coordinator does; ``GetRound``, ``ListRounds`` and
+``Claim`` are forwarded upstream with the agent's own credentials.
 """
 
 from __future__ import annotations
@@ -114,6 +114,12 @@ class AgentServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore[misc]
     ) -> pb.ListRoundsResponse:
         rounds: pb.ListRoundsResponse = await self._forward("ListRounds", request, context)
         return rounds
+
+    async def Claim(  # noqa: N802 (gRPC method name)
+        self, request: pb.ClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClaimResponse:
+        claimed: pb.ClaimResponse = await self._forward("Claim", request, context)
+        return claimed
 
     async def _forward(
         self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]

@@ -258,6 +258,52 @@ class AsyncReductionClient:
         finally:
             _mark(sent)
 
+    async def claim(self, step: int = 0) -> bool:
+        """Claim this client's job and group for its run before the run's first round.
+
+        ``step`` is the first step the run will send: 0 for a new run, the step it
+        continues at for a resumed one. The coordinator judges the claim as it would
+        that round (see ``ReduceRequest.run``), so a launch that another run's claim
+        would refuse learns it now, at start-up, as the same
+        :class:`lossreduce.errors.RunConflictError` naming the holder. Retried while
+        the coordinator is unavailable, as rounds are. Returns True when this run
+        took the claim over from another run (a resumed run continuing past it).
+        """
+        self.check_open(step)
+        ctx = self._context(step)
+        if not self.run:
+            raise UsageError(
+                f"job {self.job!r} group {self.group!r} rank {self.rank}: claim() needs a "
+                "run id; this client names none (pass run=...)",
+                job=self.job,
+                group=self.group,
+                rank=self.rank,
+            )
+        if self._state is not ClientState.OPEN or asyncio.get_running_loop() is not self._loop:
+            await self.open()
+        request = pb.ClaimRequest(
+            round=pb.RoundKey(job=self.job, group=self.group, step=step),
+            rank=self.rank,
+            run=self.run,
+        )
+        attempts = 0
+        budget: RetryBudget | None = None
+        while True:
+            if self._is_closed():
+                raise self._closed_while_waiting(step)
+            attempts += 1
+            assert self._stub is not None, "open() ran above"
+            try:
+                response: pb.ClaimResponse = await self._stub.Claim(
+                    request, timeout=self.settings.call_timeout_s, metadata=self._metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                status = status_of(exc)
+                self._raise_unless_retryable(status, ctx)
+            else:
+                return response.took_over
+            budget = await self._back_off(ctx, status, attempts, budget)
+
     async def _round(
         self,
         step: int,
@@ -321,7 +367,6 @@ class AsyncReductionClient:
         """The coordinator's OK answer to ``request``, retrying while it is unavailable."""
         via_stream = self.settings.use_stream
         attempts = 0
-        # Built on the first failure only: most calls never need one.
         budget: RetryBudget | None = None
         while True:
             if self._is_closed():
@@ -350,18 +395,30 @@ class AsyncReductionClient:
             if sent is not None:
                 # A reduce_start() returns now; the retries go on in the task.
                 _mark(sent)
-            loop = asyncio.get_running_loop()
-            if budget is None:
-                budget = RetryBudget(self._backoff, self.settings.retry_budget_s, self._rng)
-            budget.attempts = attempts
-            delay = budget.failed(loop.time())
-            if delay is None:
-                raise unavailable_error(
-                    ctx, self.target, budget.attempts, budget.elapsed(loop.time()), status
-                )
-            # Sleep, but wake at once if the client is closed meanwhile.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), delay)
+            budget = await self._back_off(ctx, status, attempts, budget)
+
+    async def _back_off(
+        self,
+        ctx: RoundContext,
+        status: status_pb2.Status,
+        attempts: int,
+        budget: RetryBudget | None,
+    ) -> RetryBudget:
+        """Sleep before attempt ``attempts + 1`` (waking at once if the client is
+        closed), or raise :class:`CoordinatorUnavailableError` when the retry
+        budget is spent. Built on the first failure only: most calls never need one."""
+        loop = asyncio.get_running_loop()
+        if budget is None:
+            budget = RetryBudget(self._backoff, self.settings.retry_budget_s, self._rng)
+        budget.attempts = attempts
+        delay = budget.failed(loop.time())
+        if delay is None:
+            raise unavailable_error(
+                ctx, self.target, budget.attempts, budget.elapsed(loop.time()), status
+            )
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._closed.wait(), delay)
+        return budget
 
     def _raise_unless_retryable(self, status: status_pb2.Status, ctx: RoundContext) -> None:
         if status.code == code_pb2.UNAVAILABLE:

@@ -113,6 +113,10 @@ class ReductionClient:
         """Open the channel now rather than on the first reduce()."""
         self._run(self._client.open(), step=None)
 
+    def claim(self, step: int = 0) -> bool:
+        """See :meth:`AsyncReductionClient.claim`; blocks for the coordinator's answer."""
+        return self._run(self._client.claim(step), step=step)
+
     def reduce(
         self,
         step: int,

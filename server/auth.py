@@ -225,7 +225,7 @@ def _scoped(method: str, handler: Handler, grant: TokenGrant) -> Handler:
         job: str = request.round.job
         return None if grant.allows(job) else _denied(grant, job)
 
-    if name in ("Reduce", "GetRound", "ReduceStream"):
+    if name in ("Reduce", "GetRound", "ReduceStream", "Claim"):
         return checked(handler, own_round)
     if name == "ListRounds":
         unary = handler.unary_unary

@@ -28,7 +28,13 @@ from .run_claims import ClaimVerdict
 from .settings import CoordinatorSettings
 from .step_window import StepWindow
 
-__all__ = ["limit_error", "new_round_refusal", "request_limit_error", "run_conflict_error"]
+__all__ = [
+    "claim_limit_error",
+    "limit_error",
+    "new_round_refusal",
+    "request_limit_error",
+    "run_conflict_error",
+]
 
 
 def limit_error(
@@ -41,6 +47,25 @@ def limit_error(
         f"{what} exceeds the coordinator limit {name}={limit}",
         rank=rank,
         limit=name,
+    )
+
+
+def claim_limit_error(
+    s: CoordinatorSettings, key: RoundKey, rank: int, run: str
+) -> InvalidPartialError | None:
+    """A claim (``Claim``) naming no run, or a job, group or run over the name limit, or None."""
+    named = check_group_names(key, rank, max_name_length=s.max_name_length)
+    if named is None:
+        named = check_run_name(key, rank, run, max_name_length=s.max_name_length)
+    if named is not None or run:
+        return named
+    return InvalidPartialError(
+        f"job {key.job!r} group {key.group!r} step {key.step}: rank {rank} claimed the group "
+        "without a run id (a claim names the run it is for)",
+        job=key.job,
+        group=key.group,
+        step=key.step,
+        rank=rank,
     )
 
 

@@ -51,7 +51,12 @@ from .outcomes import (
     key_error,
 )
 from .records import record_of
-from .refusals import new_round_refusal, request_limit_error, run_conflict_error
+from .refusals import (
+    claim_limit_error,
+    new_round_refusal,
+    request_limit_error,
+    run_conflict_error,
+)
 from .resends import Resend, ResendKind, judge_resend
 from .rounds import Admission, Round, restored_round
 from .run_claims import Claim, ClaimStore, RunClaims
@@ -110,7 +115,7 @@ class RoundTable:
         if c.run:
             # Before the round is even looked at: another run's contribution must
             # neither join this run's rounds nor receive their answers.
-            refused = self._claim(key, c, now)
+            refused = self._claim(key, c.run, c.rank, now)
             if refused is not None:
                 return Admission(None, refused)
         rnd = self._find(group, key)
@@ -222,6 +227,17 @@ class RoundTable:
                 self._observer.group_forgotten(job, name)
         return ended
 
+    def claim(self, key: RoundKey, run: str, rank: int, now: float) -> LossReduceError | None:
+        """Claim ``key``'s job and group for ``run`` before its first round (``key.step``
+        is the first step it will send): None when admitted, the refusal otherwise.
+
+        The rules are a contribution's (:mod:`lossreduce.server.run_claims`), and so
+        are the refusal and the metrics; nothing else about the group changes."""
+        refused = claim_limit_error(self._settings, key, rank, run)
+        if refused is not None:
+            return refused
+        return self._claim(key, run, rank, now)
+
     def holder(self, job: str, group: str) -> Claim | None:
         """The run holding ``(job, group)``, or None."""
         return self._claims.holder(job, group)
@@ -284,9 +300,9 @@ class RoundTable:
                 return restored_round(outcome)
         return None
 
-    def _claim(self, key: RoundKey, c: Contribution, now: float) -> LossReduceError | None:
+    def _claim(self, key: RoundKey, run: str, rank: int, now: float) -> LossReduceError | None:
         wall = self._wall_clock()
-        verdict = self._claims.admit(key.job, key.group, c.run, key.step, now=now, wall=wall)
+        verdict = self._claims.admit(key.job, key.group, run, key.step, now=now, wall=wall)
         changed, self._claims.changed = self._claims.changed, []
         if self._claim_store is not None:
             for record in changed:
@@ -297,7 +313,7 @@ class RoundTable:
         if verdict is None:
             return None
         self._notify_rejected(key, RejectReason.RUN_CONFLICT)
-        return run_conflict_error(self._settings, key, c.rank, verdict, wall=wall)
+        return run_conflict_error(self._settings, key, rank, verdict, wall=wall)
 
     def _drop_claim(self, job: str, group: str) -> None:
         if self._claims.forget(job, group) and self._claim_store is not None:

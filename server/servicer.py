@@ -340,6 +340,22 @@ class CoordinatorServicer(pb_grpc.ReductionCoordinatorServicer):  # type: ignore
             rounds=[round_status(rnd, now) for rnd in self._table.rounds(request.job)]
         )
 
+    async def Claim(  # noqa: N802 (gRPC method name)
+        self, request: pb.ClaimRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClaimResponse:
+        r = request.round
+        key = RoundKey(r.job, r.group, r.step)
+        holder = self._table.holder(r.job, r.group)
+        previous = None if holder is None else holder.run
+        refused = self._table.claim(key, request.run, request.rank, self._clock())
+        if refused is not None:
+            status = to_status(refused)
+            self._count_error("Claim", status)
+            await context.abort_with_status(rpc_status.to_status(status))
+        return pb.ClaimResponse(
+            round=r, run=request.run, took_over=previous not in (None, request.run)
+        )
+
     # -- lifecycle --------------------------------------------------------------
 
     def sweep(self) -> int:

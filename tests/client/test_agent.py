@@ -25,6 +25,7 @@ from lossreduce.errors import (
     LossReduceError,
     RoundAbortedError,
     RoundTimeoutError,
+    RunConflictError,
 )
 
 JOB, GROUP = "agent", "actor"
@@ -329,3 +330,31 @@ def test_an_error_reads_the_same_through_an_agent_as_from_the_coordinator(coordi
         assert type(agg) is type(flat)
         assert str(agg) == str(flat).replace("group 'direct'", f"group {GROUP!r}")
         assert (agg.rank, agg.terms, agg.values) == (flat.rank, flat.terms, flat.values)
+
+
+def test_a_claim_through_an_agent_reaches_the_coordinator(coordinator):
+    """A rank pointed at its agent claims its group upstream: a second run is
+    refused through the agent with the coordinator's own RunConflictError."""
+
+    async def main() -> tuple[bool, LossReduceError | None]:
+        (agent,) = await start_agents(coordinator.target, [(0, 1)])
+        try:
+            async with AsyncReductionClient(
+                agent.target, job=JOB, group="claimed", rank=0, world_size=2, run="first"
+            ) as first:
+                took_over = await first.claim(0)
+            async with AsyncReductionClient(
+                coordinator.target, job=JOB, group="claimed", rank=1, world_size=2, run="second"
+            ) as second:
+                try:
+                    await second.claim(0)
+                except LossReduceError as err:
+                    return took_over, err
+            return took_over, None
+        finally:
+            await stop_all([agent])
+
+    took_over, refused = run(main)
+    assert took_over is False
+    assert isinstance(refused, RunConflictError), refused
+    assert (refused.holder, refused.run) == ("first", "second")

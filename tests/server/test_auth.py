@@ -205,6 +205,11 @@ def test_a_scoped_token_cannot_write_or_read_another_job(
         "ListRounds": lambda: stub.ListRounds(
             pb.ListRoundsRequest(job="job-b"), metadata=bearer(SCOPED), timeout=5
         ),
+        "Claim": lambda: stub.Claim(
+            pb.ClaimRequest(round=pb.RoundKey(job="job-b", group="actor"), run="r"),
+            metadata=bearer(SCOPED),
+            timeout=5,
+        ),
     }
     for name, call in calls.items():
         with pytest.raises(grpc.RpcError) as info:

@@ -39,9 +39,11 @@ from lossreduce.trainer_worker.normalizers.base import (
     NormalizerHandle,
     OnEmptyStep,
     ReadyHandle,
+    claim_run,
 )
 from lossreduce.trainer_worker.normalizers.coordinator import (
     CoordinatorNormalizer,
+    SupportsClaim,
     SupportsReduce,
     SupportsResult,
 )
@@ -55,7 +57,9 @@ __all__ = [
     "NormalizerHandle",
     "OnEmptyStep",
     "ReadyHandle",
+    "SupportsClaim",
     "SupportsReduce",
     "SupportsResult",
     "TorchDistributedNormalizer",
+    "claim_run",
 ]

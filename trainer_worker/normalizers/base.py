@@ -22,6 +22,7 @@ __all__ = [
     "NormalizerHandle",
     "OnEmptyStep",
     "ReadyHandle",
+    "claim_run",
 ]
 
 OnEmptyStep = Literal["raise", "skip"]
@@ -152,7 +153,16 @@ def _raising(error: LossReduceError) -> Callable[[], dict[str, Tensor]]:
 
 
 class _Backend:
-    """What every backend shares: ``reduce`` is ``start(...).wait()``."""
+    """What every backend shares: ``reduce`` is ``start(...).wait()``, and ``claim``
+    claims nothing (only a coordinator keeps runs apart)."""
+
+    def claim(self, step: int = 0) -> bool:
+        """Claim the (job, group) for this rank's run before its first round.
+
+        Nothing to claim here: the ranks of one process group cannot meet another
+        run's rounds. :class:`CoordinatorNormalizer` overrides it. Returns False.
+        """
+        return False
 
     def start(
         self,
@@ -169,3 +179,18 @@ class _Backend:
         contracts: Mapping[str, str] | None = None,
     ) -> dict[str, Tensor]:
         return self.start(step, partials, contracts).wait()
+
+
+def claim_run(normalizer: GlobalNormalizer, step: int = 0) -> bool:
+    """Claim the (job, group) of ``normalizer``'s rounds for its run before the first
+    round, where a coordinator keeps runs apart.
+
+    ``step`` is the first step the run will send (0 for a new run, the step it
+    continues at after a resume). Raises ``RunConflictError`` naming the holder when
+    another run holds the group, so a launch that would be refused learns it at
+    start-up. True when the run took the claim over (a resumed run). A normalizer
+    without a ``claim`` method (one of your own, or a backend without a
+    coordinator) claims nothing: False.
+    """
+    claim = getattr(normalizer, "claim", None)
+    return bool(claim(step)) if callable(claim) else False

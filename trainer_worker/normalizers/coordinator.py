@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -19,7 +19,7 @@ from lossreduce.trainer_worker.normalizers._checks import (
 from lossreduce.trainer_worker.normalizers.base import NormalizerHandle, _Backend, _Round
 from lossreduce.trainer_worker.reduction import floats_of
 
-__all__ = ["CoordinatorNormalizer", "SupportsReduce", "SupportsResult"]
+__all__ = ["CoordinatorNormalizer", "SupportsClaim", "SupportsReduce", "SupportsResult"]
 
 
 class SupportsResult(Protocol):
@@ -52,6 +52,14 @@ class SupportsReduce(Protocol):
         partials: Mapping[str, float],
         contracts: Mapping[str, str] | None = None,
     ) -> SupportsResult: ...
+
+
+@runtime_checkable
+class SupportsClaim(Protocol):
+    """A client that can claim its (job, group) before the first round
+    (:meth:`lossreduce.client.ReductionClient.claim`)."""
+
+    def claim(self, step: int = 0) -> bool: ...
 
 
 class _PendingRound(_Round):
@@ -103,6 +111,22 @@ class CoordinatorNormalizer(_Backend):
 
     def __repr__(self) -> str:
         return f"CoordinatorNormalizer({self.client!r})"
+
+    def claim(self, step: int = 0) -> bool:
+        """Claim the client's (job, group) for its run before the first round.
+
+        ``step`` is the first step the run will send (0 for a new run, the step it
+        continues at after a resume). One blocking round trip: a launch another
+        run's claim would refuse raises :class:`lossreduce.errors.RunConflictError`
+        (naming the holder) here, at start-up, instead of at its first round.
+        Returns True when the run took the claim over (a resumed run). A client
+        without ``claim`` (or without a run id) claims at its first round instead:
+        returns False.
+        """
+        client = self.client
+        if not isinstance(client, SupportsClaim) or not getattr(client, "run", ""):
+            return False
+        return client.claim(step)
 
     def start(
         self,

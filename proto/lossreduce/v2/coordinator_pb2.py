@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flossreduce/v2/coordinator.proto\x12\rlossreduce.v2\x1a\x17google/rpc/status.proto\"4\n\x08RoundKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"c\n\x0bTermPartial\x12\x0c\n\x04term\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x10\n\x08\x63ontract\x18\x03 \x01(\t\x12\x11\n\texpansion\x18\x04 \x03(\x01\x12\x12\n\nzero_ranks\x18\x05 \x01(\r\"\xc4\x01\n\rReduceRequest\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12,\n\x08partials\x18\x04 \x03(\x0b\x32\x1a.lossreduce.v2.TermPartial\x12\x15\n\rcovered_ranks\x18\x05 \x03(\r\x12\x0b\n\x03run\x18\x06 \x01(\t\x12\x17\n\x0f\x63overed_digests\x18\x07 \x03(\x0c\"A\n\x0eTermNormalizer\x12\x0c\n\x04term\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x12\n\nzero_ranks\x18\x03 \x01(\r\"\x8f\x01\n\x0eReduceResponse\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12\x32\n\x0bnormalizers\x18\x02 \x03(\x0b\x32\x1d.lossreduce.v2.TermNormalizer\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status\"9\n\x0fGetRoundRequest\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\"\x9b\x02\n\x0bRoundStatus\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.lossreduce.v2.RoundState\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x15\n\rarrived_ranks\x18\x04 \x03(\r\x12\x15\n\rmissing_ranks\x18\x05 \x03(\r\x12\x33\n\x0cpartial_sums\x18\x06 \x03(\x0b\x32\x1d.lossreduce.v2.TermNormalizer\x12\x13\n\x0b\x61ge_seconds\x18\x07 \x01(\x01\x12!\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x12.google.rpc.Status\x12\x0b\n\x03run\x18\t \x01(\t\" \n\x11ListRoundsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"@\n\x12ListRoundsResponse\x12*\n\x06rounds\x18\x01 \x03(\x0b\x32\x1a.lossreduce.v2.RoundStatus*\x91\x01\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROUND_STATE_COLLECTING\x10\x01\x12\x19\n\x15ROUND_STATE_COMPLETED\x10\x02\x12\x16\n\x12ROUND_STATE_FAILED\x10\x03\x12\x17\n\x13ROUND_STATE_UNKNOWN\x10\x04\x32\xc9\x02\n\x14ReductionCoordinator\x12\x45\n\x06Reduce\x12\x1c.lossreduce.v2.ReduceRequest\x1a\x1d.lossreduce.v2.ReduceResponse\x12O\n\x0cReduceStream\x12\x1c.lossreduce.v2.ReduceRequest\x1a\x1d.lossreduce.v2.ReduceResponse(\x01\x30\x01\x12\x46\n\x08GetRound\x12\x1e.lossreduce.v2.GetRoundRequest\x1a\x1a.lossreduce.v2.RoundStatus\x12Q\n\nListRounds\x12 .lossreduce.v2.ListRoundsRequest\x1a!.lossreduce.v2.ListRoundsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flossreduce/v2/coordinator.proto\x12\rlossreduce.v2\x1a\x17google/rpc/status.proto\"4\n\x08RoundKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"c\n\x0bTermPartial\x12\x0c\n\x04term\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x10\n\x08\x63ontract\x18\x03 \x01(\t\x12\x11\n\texpansion\x18\x04 \x03(\x01\x12\x12\n\nzero_ranks\x18\x05 \x01(\r\"\xc4\x01\n\rReduceRequest\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12,\n\x08partials\x18\x04 \x03(\x0b\x32\x1a.lossreduce.v2.TermPartial\x12\x15\n\rcovered_ranks\x18\x05 \x03(\r\x12\x0b\n\x03run\x18\x06 \x01(\t\x12\x17\n\x0f\x63overed_digests\x18\x07 \x03(\x0c\"A\n\x0eTermNormalizer\x12\x0c\n\x04term\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x12\n\nzero_ranks\x18\x03 \x01(\r\"\x8f\x01\n\x0eReduceResponse\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12\x32\n\x0bnormalizers\x18\x02 \x03(\x0b\x32\x1d.lossreduce.v2.TermNormalizer\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status\"Q\n\x0c\x43laimRequest\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0b\n\x03run\x18\x03 \x01(\t\"W\n\rClaimResponse\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12\x0b\n\x03run\x18\x02 \x01(\t\x12\x11\n\ttook_over\x18\x03 \x01(\x08\"9\n\x0fGetRoundRequest\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\"\x9b\x02\n\x0bRoundStatus\x12&\n\x05round\x18\x01 \x01(\x0b\x32\x17.lossreduce.v2.RoundKey\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.lossreduce.v2.RoundState\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x15\n\rarrived_ranks\x18\x04 \x03(\r\x12\x15\n\rmissing_ranks\x18\x05 \x03(\r\x12\x33\n\x0cpartial_sums\x18\x06 \x03(\x0b\x32\x1d.lossreduce.v2.TermNormalizer\x12\x13\n\x0b\x61ge_seconds\x18\x07 \x01(\x01\x12!\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x12.google.rpc.Status\x12\x0b\n\x03run\x18\t \x01(\t\" \n\x11ListRoundsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"@\n\x12ListRoundsResponse\x12*\n\x06rounds\x18\x01 \x03(\x0b\x32\x1a.lossreduce.v2.RoundStatus*\x91\x01\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROUND_STATE_COLLECTING\x10\x01\x12\x19\n\x15ROUND_STATE_COMPLETED\x10\x02\x12\x16\n\x12ROUND_STATE_FAILED\x10\x03\x12\x17\n\x13ROUND_STATE_UNKNOWN\x10\x04\x32\x8d\x03\n\x14ReductionCoordinator\x12\x45\n\x06Reduce\x12\x1c.lossreduce.v2.ReduceRequest\x1a\x1d.lossreduce.v2.ReduceResponse\x12O\n\x0cReduceStream\x12\x1c.lossreduce.v2.ReduceRequest\x1a\x1d.lossreduce.v2.ReduceResponse(\x01\x30\x01\x12\x46\n\x08GetRound\x12\x1e.lossreduce.v2.GetRoundRequest\x1a\x1a.lossreduce.v2.RoundStatus\x12Q\n\nListRounds\x12 .lossreduce.v2.ListRoundsRequest\x1a!.lossreduce.v2.ListRoundsResponse\x12\x42\n\x05\x43laim\x12\x1b.lossreduce.v2.ClaimRequest\x1a\x1c.lossreduce.v2.ClaimResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lossreduce.v2.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUNDSTATE']._serialized_start=1088
-  _globals['_ROUNDSTATE']._serialized_end=1233
+  _globals['_ROUNDSTATE']._serialized_start=1260
+  _globals['_ROUNDSTATE']._serialized_end=1405
   _globals['_ROUNDKEY']._serialized_start=75
   _globals['_ROUNDKEY']._serialized_end=127
   _globals['_TERMPARTIAL']._serialized_start=129
@@ -44,14 +44,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TERMNORMALIZER']._serialized_end=494
   _globals['_REDUCERESPONSE']._serialized_start=497
   _globals['_REDUCERESPONSE']._serialized_end=640
-  _globals['_GETROUNDREQUEST']._serialized_start=642
-  _globals['_GETROUNDREQUEST']._serialized_end=699
-  _globals['_ROUNDSTATUS']._serialized_start=702
-  _globals['_ROUNDSTATUS']._serialized_end=985
-  _globals['_LISTROUNDSREQUEST']._serialized_start=987
-  _globals['_LISTROUNDSREQUEST']._serialized_end=1019
-  _globals['_LISTROUNDSRESPONSE']._serialized_start=1021
-  _globals['_LISTROUNDSRESPONSE']._serialized_end=1085
-  _globals['_REDUCTIONCOORDINATOR']._serialized_start=1236
-  _globals['_REDUCTIONCOORDINATOR']._serialized_end=1565
+  _globals['_CLAIMREQUEST']._serialized_start=642
+  _globals['_CLAIMREQUEST']._serialized_end=723
+  _globals['_CLAIMRESPONSE']._serialized_start=725
+  _globals['_CLAIMRESPONSE']._serialized_end=812
+  _globals['_GETROUNDREQUEST']._serialized_start=814
+  _globals['_GETROUNDREQUEST']._serialized_end=871
+  _globals['_ROUNDSTATUS']._serialized_start=874
+  _globals['_ROUNDSTATUS']._serialized_end=1157
+  _globals['_LISTROUNDSREQUEST']._serialized_start=1159
+  _globals['_LISTROUNDSREQUEST']._serialized_end=1191
+  _globals['_LISTROUNDSRESPONSE']._serialized_start=1193
+  _globals['_LISTROUNDSRESPONSE']._serialized_end=1257
+  _globals['_REDUCTIONCOORDINATOR']._serialized_start=1408
+  _globals['_REDUCTIONCOORDINATOR']._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

@@ -83,6 +83,26 @@ class ReduceResponse(_message.Message):
     error: _status_pb2.Status
     def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., normalizers: _Optional[_Iterable[_Union[TermNormalizer, _Mapping]]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
+class ClaimRequest(_message.Message):
+    __slots__ = ("round", "rank", "run")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    round: RoundKey
+    rank: int
+    run: str
+    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., rank: _Optional[int] = ..., run: _Optional[str] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("round", "run", "took_over")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    TOOK_OVER_FIELD_NUMBER: _ClassVar[int]
+    round: RoundKey
+    run: str
+    took_over: bool
+    def __init__(self, round: _Optional[_Union[RoundKey, _Mapping]] = ..., run: _Optional[str] = ..., took_over: bool = ...) -> None: ...
+
 class GetRoundRequest(_message.Message):
     __slots__ = ("round",)
     ROUND_FIELD_NUMBER: _ClassVar[int]

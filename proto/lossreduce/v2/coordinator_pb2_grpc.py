@@ -54,6 +54,11 @@ class ReductionCoordinatorStub(object):
                 request_serializer=lossreduce_dot_v2_dot_coordinator__pb2.ListRoundsRequest.SerializeToString,
                 response_deserializer=lossreduce_dot_v2_dot_coordinator__pb2.ListRoundsResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/lossreduce.v2.ReductionCoordinator/Claim',
+                request_serializer=lossreduce_dot_v2_dot_coordinator__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=lossreduce_dot_v2_dot_coordinator__pb2.ClaimResponse.FromString,
+                _registered_method=True)
 
 
 class ReductionCoordinatorServicer(object):
@@ -91,6 +96,17 @@ class ReductionCoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Claim a (job, group) for a run before its first round, under the rules of
+        a contribution's claim (see ReduceRequest.run), so that a launch which
+        would be refused learns it at start-up instead of at its first round.
+        Refused with FAILED_PRECONDITION reason RUN_CONFLICT naming the holder.
+        Idempotent: the holder claiming again is admitted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReductionCoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +129,11 @@ def add_ReductionCoordinatorServicer_to_server(servicer, server):
                     servicer.ListRounds,
                     request_deserializer=lossreduce_dot_v2_dot_coordinator__pb2.ListRoundsRequest.FromString,
                     response_serializer=lossreduce_dot_v2_dot_coordinator__pb2.ListRoundsResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=lossreduce_dot_v2_dot_coordinator__pb2.ClaimRequest.FromString,
+                    response_serializer=lossreduce_dot_v2_dot_coordinator__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +244,33 @@ class ReductionCoordinator(object):
             '/lossreduce.v2.ReductionCoordinator/ListRounds',
             lossreduce_dot_v2_dot_coordinator__pb2.ListRoundsRequest.SerializeToString,
             lossreduce_dot_v2_dot_coordinator__pb2.ListRoundsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lossreduce.v2.ReductionCoordinator/Claim',
+            lossreduce_dot_v2_dot_coordinator__pb2.ClaimRequest.SerializeToString,
+            lossreduce_dot_v2_dot_coordinator__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

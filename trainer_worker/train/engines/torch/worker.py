@@ -35,6 +35,7 @@ from lossreduce.trainer_worker.normalizers import (
     GlobalNormalizer,
     NormalizerHandle,
     TorchDistributedNormalizer,
+    claim_run,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
@@ -97,6 +98,9 @@ class TimedNormalizer:
         contracts: Mapping[str, str] | None = None,
     ) -> NormalizerHandle:
         return self.inner.start(step, partials, contracts)
+
+    def claim(self, step: int = 0) -> bool:
+        return claim_run(self.inner, step)
 
     def reduce(
         self,
