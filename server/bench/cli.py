@@ -456,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
         "job of 256 ranks); writes many-runs.json to --out.",
     )
     parser.add_argument(
+        "--m2po",
+        action="store_true",
+        help="Run the global M2PO cut-off benchmark instead (lossreduce.server.bench.m2po: 8 "
+        "gloo ranks x 10^6 tokens, the search through torch.distributed and the coordinator "
+        "against an all-gather of every value); writes m2po.json to --out.",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"Few rounds ({QUICK_DEFAULTS['rounds']}) at N={','.join(map(str, _QUICK_WORLD_SIZES))} "
@@ -478,6 +485,18 @@ def main(argv: Sequence[str]) -> int:
         print(format_many_runs(report), flush=True)
         settings.out.mkdir(parents=True, exist_ok=True)
         (settings.out / "many-runs.json").write_text(json.dumps(report, indent=2) + "\n")
+        return 0
+    if args.m2po:
+        from lossreduce.server.bench.m2po import (
+            M2POBenchSettings,
+            format_m2po_bench,
+            run_m2po_bench,
+        )
+
+        m2po = run_m2po_bench(M2POBenchSettings())
+        print(format_m2po_bench(m2po), flush=True)
+        settings.out.mkdir(parents=True, exist_ok=True)
+        (settings.out / "m2po.json").write_text(json.dumps(m2po, indent=2) + "\n")
         return 0
     run_bench(settings)
     return 0
