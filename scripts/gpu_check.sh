@@ -19,6 +19,14 @@
 #      CUDA rank, the test's CPU rollout server), LossReducePPOTrainer vs stock PPOTrainer
 #      (scripts/gpu_check_areal.py); runs with AREAL_PYTHON (default
 #      .venv-areal/bin/python: AReaL's environment, with CUDA torch), skipped if absent.
+#   5b. areal-archon-cuda: the same loop with actor.backend=archon:d1 and Archon's own
+#      flash-attention varlen kernel (which CPU lacks), SGD with clipping off,
+#      LossReducePPOTrainer vs PPOTrainer (scripts/gpu_check_archon.py), same Python.
+#   5c. areal-megatron-cuda: AReaL 1.0.4's MegatronPPOActor on CUDA (nccl), every mode
+#      against the formulas and token_mean against stock on one GPU, and context
+#      parallel 2 against one GPU where two GPUs and Transformer Engine are present
+#      (scripts/gpu_check_megatron.py); runs with MEGATRON_PYTHON (default
+#      .venv-megatron/bin/python), skipped if absent.
 #   6. verl-main-ppo-cuda: verl's own main_ppo with trainer.v1.trainer_mode=lossreduce
 #      (the launch of docs/frameworks/verl.md) on one CUDA rank, generation from
 #      lossreduce's CPU rollout, 3 GRPO steps, one coordinator round per mini-batch
@@ -58,7 +66,16 @@ AREAL_PYTHON=${AREAL_PYTHON:-.venv-areal/bin/python}
 if [ -x "$AREAL_PYTHON" ]; then
   check areal-loop-cuda "$AREAL_PYTHON" scripts/gpu_check_areal.py "$OUT/areal.json"
   [ -f "$OUT/areal.json" ] && cat "$OUT/areal.json"
+  check areal-archon-cuda "$AREAL_PYTHON" scripts/gpu_check_archon.py "$OUT/archon.json"
+  [ -f "$OUT/archon.json" ] && cat "$OUT/archon.json"
 else
   echo "SKIP areal-loop-cuda: no AReaL environment at $AREAL_PYTHON"
+fi
+MEGATRON_PYTHON=${MEGATRON_PYTHON:-.venv-megatron/bin/python}
+if [ -x "$MEGATRON_PYTHON" ]; then
+  check areal-megatron-cuda "$MEGATRON_PYTHON" scripts/gpu_check_megatron.py "$OUT/megatron.json"
+  [ -f "$OUT/megatron.json" ] && cat "$OUT/megatron.json"
+else
+  echo "SKIP areal-megatron-cuda: no Megatron environment at $MEGATRON_PYTHON"
 fi
 exit $failed

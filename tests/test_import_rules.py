@@ -26,7 +26,17 @@ PACKAGE_DIRS = {
 
 GRPC = ("grpc", "grpc_status", "grpc_health", "grpc_reflection", "google.protobuf", "lossreduce.v2")
 RAY = ("ray",)
-FRAMEWORKS = ("trl", "transformers", "accelerate", "datasets", "verl", "areal", "peft")
+FRAMEWORKS = (
+    "trl",
+    "transformers",
+    "accelerate",
+    "datasets",
+    "verl",
+    "areal",
+    "peft",
+    "megatron",
+    "mbridge",
+)
 TRAIN = "lossreduce.trainer_worker.train"
 INTEGRATIONS = "lossreduce.trainer_worker.integrations"
 ENGINES = f"{TRAIN}.engines"

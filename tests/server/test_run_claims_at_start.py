@@ -36,7 +36,10 @@ def test_a_second_launch_is_refused_at_its_claim_naming_the_holder(
     coordinator: CoordinatorThread,
 ) -> None:
     before = time.time()
-    with client(coordinator.target, "run-1") as first, client(coordinator.target, "run-2") as second:
+    with (
+        client(coordinator.target, "run-1") as first,
+        client(coordinator.target, "run-2") as second,
+    ):
         assert first.claim(0) is False
         assert first.claim(0) is False  # the holder again: admitted
         with pytest.raises(RunConflictError) as info:
@@ -44,8 +47,10 @@ def test_a_second_launch_is_refused_at_its_claim_naming_the_holder(
         err = info.value
         assert (err.job, err.group, err.step, err.rank) == (JOB, "actor", 0, 0)
         assert (err.run, err.holder) == ("run-2", "run-1")
-        assert err.held_since is not None and before - 1 <= err.held_since <= time.time()
-        assert "'run-1' holds" in str(err) and "'run-2' is refused" in str(err), str(err)
+        assert err.held_since is not None
+        assert before - 1 <= err.held_since <= time.time()
+        assert "'run-1' holds" in str(err), str(err)
+        assert "'run-2' is refused" in str(err), str(err)
         # The holder's rounds are untouched by the refused claim.
         first_rank1 = client(coordinator.target, "run-1", rank=1)
         with first_rank1:
@@ -57,7 +62,10 @@ def test_a_second_launch_is_refused_at_its_claim_naming_the_holder(
 def test_a_claim_made_before_any_round_refuses_another_runs_first_round(
     coordinator: CoordinatorThread,
 ) -> None:
-    with client(coordinator.target, "run-1") as first, client(coordinator.target, "run-2") as second:
+    with (
+        client(coordinator.target, "run-1") as first,
+        client(coordinator.target, "run-2") as second,
+    ):
         first.claim(0)
         with pytest.raises(RunConflictError) as info:
             second.reduce(0, {"pg": 1.0})
@@ -100,13 +108,18 @@ def test_a_claim_survives_a_coordinator_restart_on_its_journal(
 def test_a_claim_needs_a_run_and_valid_names(coordinator: CoordinatorThread) -> None:
     with client(coordinator.target, "") as legacy, pytest.raises(UsageError, match="run id"):
         legacy.claim(0)
-    with client(coordinator.target, "run-1", group="") as nameless:
-        with pytest.raises(InvalidPartialError, match="group name"):
-            nameless.claim(0)
+    with (
+        client(coordinator.target, "run-1", group="") as nameless,
+        pytest.raises(InvalidPartialError, match="group name"),
+    ):
+        nameless.claim(0)
 
 
 def test_the_normalizer_claims_through_its_client(coordinator: CoordinatorThread) -> None:
-    with client(coordinator.target, "run-1") as first, client(coordinator.target, "run-2") as second:
+    with (
+        client(coordinator.target, "run-1") as first,
+        client(coordinator.target, "run-2") as second,
+    ):
         assert isinstance(first, SupportsClaim)
         assert CoordinatorNormalizer(first).claim(0) is False
         with pytest.raises(RunConflictError):

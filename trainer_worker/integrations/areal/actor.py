@@ -27,9 +27,18 @@ value of AReaL's loss untouched (so every statistic AReaL logs is its own) and
 multiplies the gradient reaching each token's log-probability by
 ``w_i / N_pg * n_b * R / r_b``, so the step's gradient is that of
 ``sum_i w_i * sum_t l[i,t] * m[i,t] / N_pg``. That is exact for AReaL's
-token-level losses (PPO, SAPO, decoupled PPO, rejection sampling, M2PO) and for
+token-level losses (PPO, SAPO, decoupled PPO, rejection sampling) and for
 GSPO's sequence-level ratio, because every token of a response has the same
 weight.
+
+M2PO (``actor.m2_threshold``) is not a loss AReaL can weigh this way: its loss
+masks each micro-batch on its own and divides by the tokens it kept, while
+``n_b`` counts them before the mask, which leaves a factor ``n_b / kept`` in
+every micro-batch, and which tokens it keeps depends on the split. With
+``m2po='global'`` (the default) the mask is decided first, over the whole step
+on every rank (:mod:`.m2po`), applied to the loss mask, and AReaL's own is
+turned off, so ``n_b`` is the kept count and the above is exact again;
+``m2po='local'`` keeps AReaL's per-micro-batch mask with both effects.
 
 Terms. AReaL 1.0.4 puts the KL penalty into the reward (``kl_ctl``), so it
 reaches the loss through the advantages and has no normalizer of its own, and
@@ -61,6 +70,12 @@ from lossreduce.errors import (
     format_terms,
 )
 from lossreduce.rules import check_partial
+from lossreduce.trainer_worker.integrations.areal.m2po import GROUP_SUFFIX as M2PO_GROUP_SUFFIX
+from lossreduce.trainer_worker.integrations.areal.m2po import (
+    RoundPlace,
+    global_mask,
+    m2po_config_problems,
+)
 from lossreduce.trainer_worker.integrations.areal.plan import (
     DISTILL_TERM,
     GROUP_KEY,
@@ -79,6 +94,7 @@ from lossreduce.trainer_worker.normalizers import (
     GlobalNormalizer,
     LocalNormalizer,
     TorchDistributedNormalizer,
+    claim_run,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
@@ -108,6 +124,7 @@ def refuse_unsupported(config: Any, settings: ArealReductionSettings) -> None:
             "responses, so a token has no single response weight (AReaL #1546 refuses tree "
             "training with a non-token mode for the same reason)"
         )
+    problems += m2po_config_problems(config, settings.m2po)
     if problems:
         raise ReductionConfigError(
             f"LossReduce actor (job {settings.job!r}, mode {settings.mode.value!r}) cannot "
@@ -221,6 +238,8 @@ class LossReduceActorMixin:
         self._identity: tuple[str, str] | None = None
         self._normalizer: GlobalNormalizer | None = None
         self._client: Any = None
+        self._m2po_normalizer: GlobalNormalizer | None = None
+        self._m2po_client: Any = None
 
     # -- AReaL's entry points ------------------------------------------------------
 
@@ -253,13 +272,25 @@ class LossReduceActorMixin:
                 group=settings.group,
                 step=step,
             )
+        m2po = (
+            global_mask(
+                batch, loss_fn, getattr(self.config, "m2_threshold", None), self.m2po_place, step
+            )
+            if settings.m2po == "global"
+            else None
+        )
+        m2po_stats = {} if m2po is None else m2po.stats()
+        if m2po is not None:
+            # The loss mask without the dropped tokens: the normalizers, AReaL's
+            # weights and its per-micro-batch counts all count the kept tokens.
+            batch, loss_fn = m2po.batch, m2po.loss_fn
         token_weight = float(loss_weight_fn(batch))
         plan = plan_batch(self.policy_reduction, batch, token_weight)
         normalizers = self._reduce(step, plan, batch["loss_mask"].device)
         if normalizers is None:
             self.skipped_steps += 1
             # No forward, backward or optimizer step: weights and optimizer state untouched.
-            return {"update_successful": 0.0, "lossreduce/skipped": 1.0}
+            return {"update_successful": 0.0, "lossreduce/skipped": 1.0, **m2po_stats}
         engine_rows = normalizers[ROWS_TERM] * self._weight_group_factor()
         if engine_rows >= _EXACT_ROWS:
             raise ReductionConfigError(
@@ -274,6 +305,7 @@ class LossReduceActorMixin:
             weighted, weighted_loss(loss_fn, loss_weight_fn, engine_rows), _rows_weight
         )
         stats["lossreduce/skipped"] = 0.0
+        stats.update(m2po_stats)
         for term in (POLICY_TERM, DISTILL_TERM):
             if term in normalizers:
                 stats[f"lossreduce/normalizer/{term}"] = normalizers[term]
@@ -288,12 +320,24 @@ class LossReduceActorMixin:
             self._identity = run, settings.job_of(run)
         return self._identity
 
-    def _round_step(self) -> int:
+    def claim_rounds(self) -> bool:
+        """Claim this run's (job, group) at the step its next round will carry, before
+        any rollout: a launch that another run holds the job against raises
+        :class:`~lossreduce.errors.RunConflictError` (naming the holder) here. A no-op
+        without a coordinator. True when this run took the claim over (a run resumed
+        past every round of the holder)."""
+        return claim_run(self.normalizer(), self._upcoming_round())
+
+    def _upcoming_round(self) -> int:
         """The next round's step: within AReaL's weight version (which its trainer sets
         from the global step, and a recovered run restores), never below the last."""
         get_version = getattr(self, "get_version", None)
         version = int(get_version()) if get_version is not None else 0
-        step = max(self._next_round, version * ROUNDS_PER_VERSION)
+        return max(self._next_round, version * ROUNDS_PER_VERSION)
+
+    def _round_step(self) -> int:
+        """The next round's step (see :meth:`_upcoming_round`), now taken."""
+        step = self._upcoming_round()
         self._next_round = step + 1
         return step
 
@@ -313,11 +357,15 @@ class LossReduceActorMixin:
     # -- the normalizer ------------------------------------------------------------
 
     def close_reduction(self) -> None:
-        """Close the coordinator client, if any; the next step opens a new one."""
+        """Close the coordinator clients, if any; the next step opens new ones."""
         if self._client is not None:
             self._client.close()
         self._client = None
         self._normalizer = None
+        if self._m2po_client is not None:
+            self._m2po_client.close()
+        self._m2po_client = None
+        self._m2po_normalizer = None
 
     def normalizer(self) -> GlobalNormalizer:
         """The backend summing partials over the data-parallel ranks (made on first use)."""
@@ -352,16 +400,26 @@ class LossReduceActorMixin:
         strategy = getattr(self, "parallel_strategy", None)
         return int(getattr(strategy, "context_parallel_size", 1))
 
-    def _make_normalizer(self) -> GlobalNormalizer:
+    def m2po_place(self) -> RoundPlace:
+        """Where the global M2PO cut-off's rounds go: a backend of their own, in
+        ``<group>.m2po`` (made on first use)."""
+        _, rank, world = self._data_parallel()
+        group = self._reduction_group() + M2PO_GROUP_SUFFIX
+        if self._m2po_normalizer is None:
+            self._m2po_normalizer = self._make_normalizer(M2PO_GROUP_SUFFIX)
+        return RoundPlace(self._m2po_normalizer, rank, world, self.identity()[1], group)
+
+    def _make_normalizer(self, suffix: str = "") -> GlobalNormalizer:
+        """The backend of the reduction group plus ``suffix`` ('' for the normalizers)."""
         settings = self.reduction_settings
         process_group, rank, world = self._data_parallel()
-        group = self._reduction_group()
+        group = self._reduction_group() + suffix
         if settings.normalizer == "coordinator":
             from lossreduce.client import ReductionClient
 
             assert settings.coordinator is not None  # the settings validator requires it
             run, job = self.identity()
-            self._client = ReductionClient(
+            client = ReductionClient(
                 settings.coordinator,
                 job=job,
                 group=group,
@@ -370,7 +428,11 @@ class LossReduceActorMixin:
                 world_size=world,
                 settings=settings.client,
             )
-            return CoordinatorNormalizer(self._client)
+            if suffix:
+                self._m2po_client = client
+            else:
+                self._client = client
+            return CoordinatorNormalizer(client)
         _, job = self.identity()
         if world == 1:
             return LocalNormalizer(job=job, group=group)

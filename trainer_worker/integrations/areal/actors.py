@@ -12,11 +12,12 @@ import functools
 from typing import Any
 
 from areal.engine.fsdp_engine import FSDPPPOActor
+from areal.experimental.engine.archon_engine import ArchonPPOActor
 
 from lossreduce.trainer_worker.integrations.areal.actor import LossReduceActorMixin
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
 
-__all__ = ["LossReduceFSDPPPOActor", "lossreduce_actor"]
+__all__ = ["LossReduceArchonPPOActor", "LossReduceFSDPPPOActor", "lossreduce_actor"]
 
 
 class LossReduceFSDPPPOActor(LossReduceActorMixin, FSDPPPOActor):  # type: ignore[misc]
@@ -26,16 +27,30 @@ class LossReduceFSDPPPOActor(LossReduceActorMixin, FSDPPPOActor):  # type: ignor
         super().__init__(config, reduction=reduction)
 
 
+class LossReduceArchonPPOActor(LossReduceActorMixin, ArchonPPOActor):  # type: ignore[misc]
+    """AReaL's ``ArchonPPOActor`` with lossreduce's reduction (tested against AReaL 1.0.4
+    on CPU, with the settings of :mod:`.archon_cpu`)."""
+
+    def __init__(self, config: Any, *, reduction: ArealReductionSettings | None = None) -> None:
+        super().__init__(config, reduction=reduction)
+
+
+_TESTED: dict[type[Any], type[Any]] = {
+    FSDPPPOActor: LossReduceFSDPPPOActor,
+    ArchonPPOActor: LossReduceArchonPPOActor,
+}
+
+
 @functools.cache
 def lossreduce_actor(actor_cls: type[Any]) -> type[Any]:
     """``actor_cls`` (an AReaL PPO actor class) with :class:`LossReduceActorMixin` before it.
 
-    ``lossreduce_actor(FSDPPPOActor)`` is :class:`LossReduceFSDPPPOActor`;
-    ``MegatronPPOActor`` and ``ArchonPPOActor`` get the same mixin, untested
-    (neither runs on this project's CPU machines; see docs/frameworks/areal.md).
-    One class per ``actor_cls``, made on the first call.
+    ``lossreduce_actor(FSDPPPOActor)`` is :class:`LossReduceFSDPPPOActor` and
+    ``lossreduce_actor(ArchonPPOActor)`` :class:`LossReduceArchonPPOActor`;
+    ``MegatronPPOActor`` gets the same mixin (see docs/frameworks/areal.md for what
+    runs of it). One class per ``actor_cls``, made on the first call.
     """
-    if actor_cls is FSDPPPOActor:
-        return LossReduceFSDPPPOActor
+    if actor_cls in _TESTED:
+        return _TESTED[actor_cls]
     name = f"LossReduce{actor_cls.__name__}"
     return type(name, (LossReduceActorMixin, actor_cls), {"__module__": __name__})

@@ -7,6 +7,13 @@ groups, so that the measured step is the training work alone, where a fixed
 overhead shows most. Both actors live in the same process from the same seed;
 runs alternate ABBA so drift (thermal, other load) hits both alike; the first
 step of each run is dropped as warm-up and the medians are compared.
+
+With ``m2_threshold`` set the same run also times both actors with AReaL's
+M2PO on (``use_decoupled_loss``, a ``prox_logp`` that drifted from the
+rollout's): AReaL masks each micro-batch inside its loss, the LossReduce actor
+reduces one cut-off over the step first (``m2po='global'``, extra normalizer
+rounds before the forward). Both ratios come from one run, side by side, with
+the cut-off's own time and rounds.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lossreduce.ports import free_port
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
 
-__all__ = ["ArealBenchResult", "ArealBenchSettings", "run_areal_bench"]
+__all__ = ["ArealBenchResult", "ArealBenchSettings", "M2POBenchResult", "run_areal_bench"]
 
 
 class ArealBenchSettings(BaseModel):
@@ -51,12 +58,40 @@ class ArealBenchSettings(BaseModel):
     hidden_size: int = Field(default=128, ge=8, description="Width of the Qwen2 model.")
     layers: int = Field(default=2, ge=1, description="Transformer layers of the Qwen2 model.")
     vocab_size: int = Field(default=64, ge=8, description="Vocabulary size of the toy tokenizer.")
+    m2_threshold: float | None = Field(
+        default=None,
+        gt=0,
+        description="actor.m2_threshold of the M2PO pair of actors; None runs only the "
+        "pair without M2PO.",
+    )
     threads: int = Field(
         default=1,
         ge=1,
         description="torch CPU threads while measuring (1: a shared small machine's other load "
         "then slows both actors alike instead of oversubscribing the cores).",
     )
+
+
+@dataclass(frozen=True)
+class M2POBenchResult:
+    """The M2PO pair: median ``ppo_update`` seconds, and the global cut-off's own cost."""
+
+    lossreduce_step_s: float
+    areal_step_s: float
+    cut_s: float  # median seconds of the cut-off's rounds in the LossReduce actor's step
+    rounds: int  # normalizer rounds of one cut-off (the largest seen)
+    kept: int  # tokens the cut-off kept of `active` (the same batch every step)
+    active: int
+
+    @property
+    def ratio(self) -> float:
+        """lossreduce (global mask) / AReaL (per-micro-batch mask) median step time."""
+        return self.lossreduce_step_s / self.areal_step_s
+
+    @property
+    def cut_share(self) -> float:
+        """The cut-off's rounds as a share of the LossReduce actor's median step."""
+        return self.cut_s / self.lossreduce_step_s
 
 
 @dataclass(frozen=True)
@@ -67,6 +102,7 @@ class ArealBenchResult:
     areal_step_s: float
     lossreduce_steps: int
     areal_steps: int
+    m2po: M2POBenchResult | None = None  # with ArealBenchSettings.m2_threshold
 
     @property
     def ratio(self) -> float:
@@ -113,6 +149,8 @@ def _batch(settings: ArealBenchSettings) -> list[dict[str, torch.Tensor]]:
         mask = (positions >= prompt - 1) & (positions < lengths[:, None] - 1)  # [b, T]
         old = (-4.0 + 0.1 * torch.randn(b, length, generator=gen)) * mask
         advantages = torch.randn(b, 1, generator=gen).expand(b, length) * mask
+        # The recomputed proximal log-probs drifted from the rollout's (what M2PO cuts).
+        drift = 0.15 * torch.randn(b, length, generator=gen) * mask
         out.append(
             {
                 "input_ids": torch.randint(2, settings.vocab_size, (b, length), generator=gen)
@@ -121,7 +159,7 @@ def _batch(settings: ArealBenchSettings) -> list[dict[str, torch.Tensor]]:
                 "loss_mask": mask.float(),
                 "advantages": advantages.contiguous(),
                 "logprobs": old,
-                "prox_logp": old.clone(),
+                "prox_logp": old + drift,
                 "rewards": advantages[:, 0].contiguous(),
                 "kl_rewards": torch.zeros(b, length),
                 "tot_rewards": torch.zeros(b, length),
@@ -130,7 +168,7 @@ def _batch(settings: ArealBenchSettings) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings) -> Any:
+def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings, m2po: bool) -> Any:
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
     from areal.api.io_struct import FinetuneSpec
     from areal.engine.fsdp_engine import FSDPPPOActor
@@ -139,7 +177,7 @@ def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings) -> An
 
     config = PPOActorConfig(
         experiment_name="lossreduce-bench",
-        trial_name="lossreduce" if lossreduce else "areal",
+        trial_name=("lossreduce" if lossreduce else "areal") + ("-m2po" if m2po else ""),
         path=model_dir,
         init_from_scratch=True,
         dtype="float32",
@@ -149,6 +187,9 @@ def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings) -> An
         backend="fsdp:d1",
         ppo_n_minibatches=1,
     )
+    if m2po:
+        config.m2_threshold = settings.m2_threshold
+        config.use_decoupled_loss = True
     actor = (
         LossReduceFSDPPPOActor(config, reduction=ArealReductionSettings(job="areal-bench"))
         if lossreduce
@@ -160,13 +201,23 @@ def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings) -> An
     return actor
 
 
-def _run(actor: Any, data: list[dict[str, torch.Tensor]], steps: int) -> list[float]:
-    seconds = []
+_CUT = "ppo_actor/update/lossreduce/m2po/"
+
+
+def _run(
+    actor: Any, data: list[dict[str, torch.Tensor]], steps: int
+) -> tuple[list[float], list[dict[str, float]]]:
+    """Seconds of each step but the first (warm-up), and the M2PO stats of each."""
+    from areal.utils import stats_tracker
+
+    seconds, cuts = [], []
     for _ in range(steps):
         started = time.perf_counter()
         actor.ppo_update([dict(d) for d in data])
         seconds.append(time.perf_counter() - started)
-    return seconds[1:]  # the first step of a run is warm-up
+        stats = stats_tracker.export(reset=True)  # outside the timing
+        cuts.append({k.removeprefix(_CUT): v for k, v in stats.items() if k.startswith(_CUT)})
+    return seconds[1:], cuts[1:]
 
 
 def run_areal_bench(settings: ArealBenchSettings | None = None) -> ArealBenchResult:
@@ -184,26 +235,46 @@ def run_areal_bench(settings: ArealBenchSettings | None = None) -> ArealBenchRes
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", rank=0, world_size=1)
-    times: dict[bool, list[float]] = {True: [], False: []}
+    # (lossreduce, m2po) -> step times; the M2PO pair only with a threshold.
+    kinds = [(True, False), (False, False)]
+    if settings.m2_threshold is not None:
+        kinds += [(True, True), (False, True)]
+    times: dict[tuple[bool, bool], list[float]] = {kind: [] for kind in kinds}
+    cuts: list[dict[str, float]] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
         with tempfile.TemporaryDirectory(prefix="lossreduce-areal-bench-") as folder:
             model_dir = _save_model(settings, Path(folder))
-            actors = {flag: _actor(flag, model_dir, settings) for flag in (True, False)}
+            actors = {kind: _actor(kind[0], model_dir, settings, kind[1]) for kind in kinds}
             data = _batch(settings)
             for _ in range(settings.blocks):
-                for flag in (True, False, False, True):
-                    times[flag] += _run(actors[flag], data, settings.steps)
+                for masked in sorted({m for _, m in kinds}):
+                    for lossreduce in (True, False, False, True):
+                        got, cut = _run(actors[lossreduce, masked], data, settings.steps)
+                        times[lossreduce, masked] += got
+                        if lossreduce and masked:
+                            cuts += cut
             for actor in actors.values():
                 actor.destroy()
     finally:
         torch.set_num_threads(threads)
         if own_group:
             dist.destroy_process_group()
+    m2po = None
+    if settings.m2_threshold is not None:
+        m2po = M2POBenchResult(
+            lossreduce_step_s=statistics.median(times[True, True]),
+            areal_step_s=statistics.median(times[False, True]),
+            cut_s=statistics.median(c["seconds"] for c in cuts),
+            rounds=int(max(c["rounds"] for c in cuts)),
+            kept=int(cuts[-1]["kept"]),
+            active=int(cuts[-1]["active"]),
+        )
     return ArealBenchResult(
-        lossreduce_step_s=statistics.median(times[True]),
-        areal_step_s=statistics.median(times[False]),
-        lossreduce_steps=len(times[True]),
-        areal_steps=len(times[False]),
+        lossreduce_step_s=statistics.median(times[True, False]),
+        areal_step_s=statistics.median(times[False, False]),
+        lossreduce_steps=len(times[True, False]),
+        areal_steps=len(times[False, False]),
+        m2po=m2po,
     )

@@ -7,6 +7,10 @@ from the environment its launcher passes on. This module does not import AReaL.
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
 from lossreduce.trainer_worker.integrations.settings import (
     ReductionSettings,
     group_field,
@@ -30,4 +34,17 @@ class ArealReductionSettings(ReductionSettings):
         "Reduction group within the job. With tensor or sequence parallelism each "
         "model-parallel rank index reduces in its own group '<group>.mp<index>' of "
         "data-parallel size.",
+    )
+    m2po: Literal["global", "local"] = Field(
+        default="global",
+        description=(
+            "How AReaL's M2PO mask (actor.m2_threshold) is decided. 'global': before the "
+            "forward, over every active token of the optimizer step on every rank (one "
+            "cut-off reduced by the normalizer backend), so the update does not depend on "
+            "the micro-batch split; tokens it masks leave the numerator and the normalizers. "
+            "Needs a prox_logp known before the forward (prox_logp_method recompute or "
+            "metrics). 'local': AReaL's own mask, decided by its loss for each micro-batch "
+            "alone; which tokens train then depends on how the step is split over ranks "
+            "and micro-batches (docs/frameworks/areal.md)."
+        ),
     )

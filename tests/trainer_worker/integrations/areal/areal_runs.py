@@ -30,6 +30,7 @@ import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ ONE_PER_MB = T  # max_tokens_per_mb that fits one response (every response is > 
 SEVERAL_PER_MB = 4 * T
 VOCAB = 28
 MODES = ("token_mean", "seq_mean", "prompt_mean", "constant")
+M2_THRESHOLD = 0.04  # actor.m2_threshold of the M2PO cases
+WHOLE_SHARD = 16 * T  # max_tokens_per_mb that holds a rank's whole shard in one micro-batch
 
 
 BAD_WEIGHTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -80,6 +83,14 @@ class Case:
     optimizer: str = "sgd"  # sgd, adamw (weight decay 0.1)
     prelude: int = 0  # real steps taken before the measured one
     coordinator: str = ""
+    # M2PO: actor.m2_threshold (with use_decoupled_loss=true), actor.prox_logp_method and
+    # the reduction's m2po setting; None keeps M2PO off.
+    m2_threshold: float | None = None
+    prox_logp_method: str = "recompute"
+    m2po: str = "global"
+    # AReaL's training engine: fsdp (FSDPPPOActor) or archon (ArchonPPOActor, run on CPU
+    # as archon_cpu_config sets it up).
+    engine: str = "fsdp"
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -92,6 +103,8 @@ class Case:
             out["divisor"] = DIVISOR
         if self.normalizer == "coordinator":
             out["coordinator"] = self.coordinator
+        if self.m2_threshold is not None:
+            out["m2po"] = self.m2po
         return out
 
 
@@ -112,25 +125,69 @@ def group_rows(group: int, data: str = "base", rank: int = 0) -> dict[str, torch
     advantages = torch.randn(b, T, generator=gen) * loss_mask
     old = (-3.3 + 0.05 * torch.randn(b, T, generator=gen)) * loss_mask
     # masked_odd: groups 1, 3, 5 (all of rank 1's on two ranks) have no active token.
-    if data == "all_masked" or (data == "masked_odd" and group % 2 == 1):
+    if data == "all_masked" or (data in ("masked_odd", "m2po_masked_odd") and group % 2 == 1):
         loss_mask = torch.zeros_like(loss_mask)
     if data == "nan_advantage" and rank == 0 and group == 0:
         advantages[0, PROMPT] = math.nan
+    prox = old.clone()
+    if data.startswith("m2po"):
+        prox = m2po_prox(group, old, loss_mask, data, rank)
     return {
         "input_ids": ids,
         "attention_mask": attention,
         "loss_mask": loss_mask.float(),
         "advantages": advantages,
         "logprobs": old,
-        "prox_logp": old.clone(),
+        "prox_logp": prox,
         "rewards": advantages.sum(-1),
         "kl_rewards": torch.zeros(b, T),
         "tot_rewards": torch.zeros(b, T),
     }
 
 
+def m2po_prox(
+    group: int, old: torch.Tensor, loss_mask: torch.Tensor, data: str, rank: int
+) -> torch.Tensor:
+    """A recomputed ``prox_logp`` that drifted from the rollout's ``old`` [b, T].
+
+    Most active tokens drift by about 0.1 (m2 near 0.01), one in six by 0.3 to 0.6
+    (m2 0.09 to 0.36): the whole step's mean m2 is above :data:`M2_THRESHOLD`, and
+    micro-batches differ in how many outliers they hold. Variants:
+
+    - ``m2po_masked_odd``: groups 1, 3, 5 (all of rank 1's on two ranks) have no active token;
+    - ``m2po_nan_prox``: rank 0's first active token of group 0 has a NaN ``prox_logp``;
+    - ``m2po_inf_old``: rank 1's (or the only rank's) group 1 has an inf ``old`` log-prob,
+      written into ``old`` itself;
+    - ``m2po_all_cut``: every active token drifts by 1 (m2 1, far above the threshold).
+    """
+    gen = torch.Generator().manual_seed(500 + group)
+    b = old.shape[0]
+    drift = 0.1 * torch.randn(b, T, generator=gen)
+    outlier = torch.rand(b, T, generator=gen) < 1 / 6
+    drift = torch.where(
+        outlier, torch.sign(drift) * (0.3 + 0.3 * torch.rand(b, T, generator=gen)), drift
+    )
+    if data == "m2po_all_cut":
+        drift = torch.ones(b, T)
+    prox = old + drift * loss_mask
+    active = loss_mask.nonzero()
+    if data == "m2po_nan_prox" and rank == 0 and group == 0 and len(active):
+        prox[tuple(active[0])] = math.nan
+    if data == "m2po_inf_old" and group == 1 and len(active):
+        old[tuple(active[0])] = -math.inf
+    return prox
+
+
 def shard_data(world: int, rank: int, data: str = "base") -> list[dict[str, torch.Tensor]]:
-    return [group_rows(g, data, rank) for g in SHARDS[world][rank]]
+    rows = [group_rows(g, data, rank) for g in SHARDS[world][rank]]
+    if data == "teacher":
+        # A teacher's log-probabilities beside the base data: AReaL adds its distillation
+        # penalty (a token mean over the same loss mask) to the PPO loss.
+        for g, row in zip(SHARDS[world][rank], rows, strict=True):
+            gen = torch.Generator().manual_seed(700 + g)
+            noise = 0.1 * torch.randn(row["logprobs"].shape, generator=gen)
+            row["teacher_logp"] = (row["logprobs"] + noise) * row["loss_mask"]  # [b, T]
+    return rows
 
 
 # -- the varlen test attention ------------------------------------------------------------
@@ -188,6 +245,15 @@ def save_model(folder: Path) -> Path:
     return folder
 
 
+def save_weights(folder: Path, seed: int = 0) -> Path:
+    """Weights for :func:`save_model`'s config in ``folder`` (what the Archon cases load)."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(tiny_qwen2(VOCAB)).save_pretrained(folder)
+    return folder
+
+
 def tiny_qwen2(vocab: int) -> Any:
     """The tests' Qwen2 config: one layer of width 16; id 0 pads, 1 ends."""
     from transformers import Qwen2Config
@@ -237,11 +303,17 @@ def make_actor(case: Case, model_dir: str, world: int) -> Any:
         attn_impl="sdpa",
         optimizer=optimizer,
         mb_spec=MicroBatchSpec(max_tokens_per_mb=case.max_tokens),
-        backend=f"fsdp:d{world}",
+        backend=f"{case.engine}:d{world}",
         ppo_n_minibatches=1,
         eps_clip=EPS_CLIP,
         temperature=1.0,
     )
+    if case.engine == "archon":
+        return make_archon_actor(case, config)
+    if case.m2_threshold is not None:
+        config.m2_threshold = case.m2_threshold
+        config.use_decoupled_loss = True
+        config.prox_logp_method = case.prox_logp_method
     if case.impl == "stock":
         actor = FSDPPPOActor(config)
     else:
@@ -254,13 +326,49 @@ def make_actor(case: Case, model_dir: str, world: int) -> Any:
     return actor
 
 
+def make_archon_actor(case: Case, config: Any) -> Any:
+    """AReaL's ``ArchonPPOActor`` (stock or with lossreduce) for ``case`` on CPU."""
+    import torch.distributed as dist
+    from areal.api.alloc_mode import ParallelStrategy
+    from areal.api.io_struct import FinetuneSpec
+    from areal.experimental.engine.archon_engine import ArchonPPOActor
+
+    from lossreduce.trainer_worker.integrations.areal import ArealReductionSettings
+    from lossreduce.trainer_worker.integrations.areal.actors import LossReduceArchonPPOActor
+    from lossreduce.trainer_worker.integrations.areal.archon_cpu import archon_cpu_config
+
+    archon_cpu_config(config)
+    # Archon initializes its sharded parameters with DTensor's random generator, so a
+    # seed gives different weights on one and two ranks: load save_weights' instead.
+    config.init_from_scratch = False
+    if case.impl == "stock":
+        actor = ArchonPPOActor(config)
+    else:
+        actor = LossReduceArchonPPOActor(
+            config, reduction=ArealReductionSettings.model_validate(case.settings())
+        )
+    # Archon reads its layout from the strategy (FSDP from the world size): data parallel
+    # over every rank.
+    actor.create_process_group(ParallelStrategy(data_parallel_size=dist.get_world_size()))
+    torch.manual_seed(0)  # the same initial weights in every case and on every rank
+    actor.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=8))
+    return actor
+
+
 def full_params(actor: Any) -> dict[str, torch.Tensor]:
+    """Every parameter, gathered whole, under its Hugging Face name (Archon's own
+    names are translated by its state-dict adapter)."""
     from torch.distributed.tensor import DTensor
 
-    return {
+    params = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in actor.model.named_parameters()
     }
+    adapter = getattr(actor, "state_dict_adapter", None)
+    if adapter is not None:
+        converted: dict[str, torch.Tensor] = adapter.to_hf(params)
+        return converted
+    return params
 
 
 def optimizer_state(actor: Any) -> list[torch.Tensor]:
@@ -426,6 +534,91 @@ def reference_updates(
     return out
 
 
+# -- the M2PO reference ------------------------------------------------------------------------------
+
+
+def global_m2po_keep(rows: list[dict[str, torch.Tensor]], threshold: float) -> list[torch.Tensor]:
+    """Each group's [b, T] mask of the active tokens a mask decided over the whole step keeps.
+
+    Plain Python, independent of the code under test: every active token's
+    ``m2 = (old - prox)^2`` in float64; the tokens kept are those with ``m2 <= c`` for the largest value
+    ``c`` of the step whose tokens ``m2 <= c`` have a mean below ``threshold``
+    (compared exactly, in fractions), none when no value qualifies. Without ties
+    this is AReaL's rule: drop the largest until the mean of the rest is below
+    the threshold.
+    """
+    m2 = []
+    for group in rows:
+        delta = group["logprobs"].double() - group["prox_logp"].double()  # [b, T]
+        m2.append(torch.where(group["loss_mask"] != 0, delta * delta, math.nan))
+    values = sorted(float(v) for g in m2 for v in g[~g.isnan()].tolist())
+    limit = Fraction(threshold)
+    cut = -math.inf
+    total = Fraction(0)
+    for n, value in enumerate(values, start=1):
+        total += Fraction(value)
+        # Admissible only once every equal value is in (ties go together).
+        if (n == len(values) or values[n] != value) and total < limit * n:
+            cut = value
+    return [(g <= cut) & ~g.isnan() for g in m2]
+
+
+def m2po_reference_updates(
+    model_dir: str, initial: dict[str, torch.Tensor], threshold: float, data: str = "m2po"
+) -> dict[str, Any]:
+    """Each mode's SGD update over the tokens :func:`global_m2po_keep` keeps, with
+    AReaL's decoupled PPO loss (ratio to ``prox_logp``, no rejection sampling), in
+    plain PyTorch: the formulas of docs/reduction-semantics.md with ``D_i`` the
+    response's kept tokens and responses with none kept inactive."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(initial)
+    rows = [group_rows(g, data) for g in range(len(GROUP_SIZES))]
+    keep = global_m2po_keep(rows, threshold)
+    out: dict[str, Any] = {"kept": [int(k.sum()) for k in keep]}
+    for mode in MODES:
+        model.zero_grad()
+        per_group = []
+        for g, group in enumerate(rows):
+            per_row = []
+            for i in range(GROUP_SIZES[g]):
+                length = int(group["attention_mask"][i].sum())
+                ids = group["input_ids"][i : i + 1, :length]
+                logits = model(input_ids=ids).logits[0].float()  # [L, V]
+                logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+                m = keep[g][i, : length - 1]
+                adv = group["advantages"][i, : length - 1]
+                ratio = torch.exp(logp - group["prox_logp"][i, : length - 1])
+                clipped = ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP)
+                token_loss = torch.maximum(-adv * ratio, -adv * clipped)
+                per_row.append((torch.where(m, token_loss, 0.0).sum(), float(m.sum())))
+            per_group.append(per_row)
+        flat = [r for grp in per_group for r in grp]
+        total: Any
+        if mode == "token_mean":
+            total = sum(s for s, _ in flat) / sum(d for _, d in flat)
+        elif mode == "seq_mean":
+            active = [(s, d) for s, d in flat if d > 0]
+            total = sum(s / d for s, d in active) / len(active)
+        elif mode == "constant":
+            active = [(s, d) for s, d in flat if d > 0]
+            total = sum(s for s, _ in active) / (DIVISOR * len(active))
+        else:
+            groups = [grp for grp in per_group if sum(d for _, d in grp) > 0]
+            total = sum(sum(s for s, _ in grp) / sum(d for _, d in grp) for grp in groups) / len(
+                groups
+            )
+        total.backward()
+        out[mode] = {
+            "loss": float(total.detach()),
+            "params": {n: (p - LR * p.grad).detach().clone() for n, p in model.named_parameters()},
+        }
+    return out
+
+
 # -- processes --------------------------------------------------------------------------------------
 
 
@@ -464,6 +657,12 @@ def run_rank(rank: int, job: Job) -> None:
         if job.reference and rank == 0:
             first = next(iter(results.values()))
             results["reference"] = reference_updates(job.model_dir, first["initial"])
+        m2po_data = job.extra.get("m2po_reference")
+        if m2po_data is not None and rank == 0:
+            first = next(iter(results.values()))
+            results["m2po_reference"] = m2po_reference_updates(
+                job.model_dir, first["initial"], M2_THRESHOLD, m2po_data
+            )
     except Exception:
         results["crash"] = traceback.format_exc()
     torch.save(results, Path(job.out_dir) / f"rank{rank}.pt")

@@ -50,7 +50,8 @@ def test_what_would_be_silently_wrong_is_refused_at_construction(
         LossReduceFSDPPPOActor(_actor_config(**option), reduction=ArealReductionSettings())
 
 
-def test_a_teacher_needs_token_mean() -> None:
+def test_a_teacher_needs_token_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AREAL_SPMD_MODE", "1")  # torchrun's launch, where reduction= applies
     teacher = TeacherConfig(engine_type="train", train=_actor_config())
     config = PPOConfig(experiment_name="e", trial_name="t", teacher=teacher)
     with pytest.raises(ReductionConfigError, match="teacher is set"):
@@ -182,6 +183,22 @@ def test_lossreduce_actor_puts_the_mixin_first_once_per_class() -> None:
     made = lossreduce_actor(OtherActor)
     assert made.__mro__[1:3] == (LossReduceActorMixin, OtherActor)
     assert lossreduce_actor(OtherActor) is made
+
+
+def test_reduction_settings_are_refused_in_single_controller_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The controller's workers read LOSSREDUCE_* from their environment, never the
+    trainer's ``reduction``: refused before AReaL's init, naming what to set instead."""
+    monkeypatch.delenv("AREAL_SPMD_MODE", raising=False)
+    config = PPOConfig(experiment_name="e", trial_name="t")
+    with pytest.raises(ReductionConfigError) as caught:
+        LossReducePPOTrainer(
+            config, reduction=ArealReductionSettings(mode=PolicyGradientMode.SEQ_MEAN)
+        )
+    message = str(caught.value)
+    for needle in ("single-controller mode", "LOSSREDUCE_*", "scheduling_spec env_vars"):
+        assert needle in message, message
 
 
 @pytest.mark.parametrize("build", ["trainer", "actor"])

@@ -1,0 +1,291 @@
+"""``lossreduce_actor(MegatronPPOActor)`` against the real AReaL 1.0.4 Megatron engine
+(Megatron-Core 0.17.0, mbridge 0.15.1) on CPU, gloo, with the CPU platform of
+:mod:`lossreduce.trainer_worker.integrations.areal.megatron_cpu`.
+
+Every case is one ``ppo_update`` on a fresh actor loaded from the same weights
+(:mod:`.megatron_runs`). The measured step is SGD's (taken by Adam with
+``beta1 = 0`` and ``eps`` far above every gradient, since AReaL's Megatron engine
+cannot build an SGD optimizer), without clipping. Measured:
+
+- every mode's update equals the formulas of docs/reduction-semantics.md
+  (recomputed row by row in plain PyTorch);
+- two data-parallel ranks, and tensor parallel 2 x data parallel 1, give one rank's
+  update; ``token_mean`` is AReaL's own update, grad norm and all, and each round's
+  normalizer is AReaL's own count;
+- bad inputs are refused on every rank before backward, weights and optimizer state
+  untouched; the coordinator gives the torch backend's update bit for bit;
+- a teacher's distillation term is refused outside ``token_mean``;
+- context parallelism stops where Megatron-Core's local attention refuses it.
+
+The fixture prints each layout's step time with and without lossreduce.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lossreduce.ports import free_port
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from tests.conftest import TEST_SETTINGS
+from tests.trainer_worker.integrations.areal import areal_runs
+from tests.trainer_worker.integrations.areal.areal_runs import MODES, SEVERAL_PER_MB, Case
+from tests.trainer_worker.integrations.areal.megatron import megatron_runs
+from tests.trainer_worker.integrations.areal.megatron.megatron_runs import Job
+
+Results = Callable[[str], list[dict[str, Any]]]
+
+ERRORS = [
+    Case(name, data=data, weight=weight, on_empty_step=empty, optimizer="adamw", prelude=1)
+    for name, data, weight, empty in [
+        ("inf", "base", "inf_rank1", "raise"),
+        ("nan-advantage", "nan_advantage", "count", "raise"),
+        ("empty-raise", "all_masked", "count", "raise"),
+        ("empty-skip", "all_masked", "count", "skip"),
+    ]
+]
+
+
+def _cases(layout: str, target: str) -> list[Case]:
+    if layout == "cp2":
+        return [Case("token_mean-one")]
+    cases = [Case(f"{mode}-one", mode=mode) for mode in MODES]
+    cases.append(Case("stock-one", impl="stock"))
+    if layout in ("dp1", "dp2"):
+        cases.append(Case("masked-odd", data="masked_odd", mode="prompt_mean"))
+    if layout == "dp1":
+        cases += [
+            Case("prompt_mean-several", mode="prompt_mean", max_tokens=SEVERAL_PER_MB),
+            Case("teacher-token_mean", data="teacher"),
+            Case("stock-teacher", impl="stock", data="teacher"),
+            Case("teacher-seq_mean", mode="seq_mean", data="teacher"),
+        ]
+    if layout == "dp2":
+        cases += [
+            Case("coordinator-prompt_mean", mode="prompt_mean", normalizer="coordinator"),
+            Case(
+                "weight-seq_mean-coordinator",
+                mode="seq_mean",
+                normalizer="coordinator",
+                weight="negative_rank1",
+            ),
+            *ERRORS,
+        ]
+    return areal_runs.with_coordinator(cases, target)
+
+
+@pytest.fixture(scope="module")
+def coordinator_target() -> Iterator[str]:
+    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
+    yield thread.target
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """layout -> every rank's results (each layout run once per module)."""
+    model_dir = megatron_runs.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
+    cache: dict[str, list[dict[str, Any]]] = {}
+    root = Path(__file__).resolve().parents[5]
+
+    def get(layout: str) -> list[dict[str, Any]]:
+        if layout not in cache:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.syspath_prepend(str(root))  # spawned ranks import the run module
+                started = time.perf_counter()
+                cache[layout] = megatron_runs.run(
+                    Job(
+                        layout,
+                        _cases(layout, coordinator_target),
+                        str(model_dir),
+                        str(tmp_path_factory.mktemp(layout)),
+                        free_port(),
+                        reference=layout == "dp1",
+                    )
+                )
+                print(f"Megatron {layout}: {time.perf_counter() - started:.1f} s")
+                first = cache[layout][0]
+                if "stock-one" in first:  # the update step's cost, with and without lossreduce
+                    ours, stock = first["token_mean-one"], first["stock-one"]
+                    print(f"{layout} step: {ours['seconds']:.3f} s, stock {stock['seconds']:.3f} s")
+            for rank, result in enumerate(cache[layout]):
+                assert "crash" not in result, f"{layout} rank {rank}: {result['crash']}"
+        return cache[layout]
+
+    return get
+
+
+def _relative(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
+) -> float:
+    """|got - want| / |want - start| over all parameters: the error relative to the update."""
+    assert sorted(got) == sorted(want)
+    num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
+    den = sum(float((want[n].double() - start[n].double()).pow(2).sum()) for n in want)
+    assert den > 0, "the reference step did not move the weights"
+    return float((num / den) ** 0.5)
+
+
+def _update(result: dict[str, Any]) -> dict[str, torch.Tensor]:
+    assert "init_error" not in result, result["init_error"][2]
+    assert "error" not in result, result["error"]
+    assert result["stats"]["update_successful"] == 1.0, result["stats"]
+    params: dict[str, torch.Tensor] = result["params"]
+    return params
+
+
+# -- the formulas, ranks, tensor parallelism -----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_gives_the_formulas_update(results: Results, mode: str) -> None:
+    one = results("dp1")[0]
+    reference = one["reference"][mode]["params"]
+    got = _update(one[f"{mode}-one"])
+    assert _relative(got, reference, one[f"{mode}-one"]["initial"]) < 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_data_parallel_ranks_give_one_ranks_update(results: Results, mode: str) -> None:
+    one = results("dp1")[0][f"{mode}-one"]
+    for rank in (0, 1):
+        got = _update(results("dp2")[rank][f"{mode}-one"])
+        assert _relative(got, _update(one), one["initial"]) < 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tensor_parallel_2_gives_data_parallel_2s_update(results: Results, mode: str) -> None:
+    two = results("dp2")[0][f"{mode}-one"]
+    for rank in (0, 1):
+        got = _update(results("tp2")[rank][f"{mode}-one"])
+        assert _relative(got, _update(two), two["initial"]) < 1e-5
+
+
+def test_prompt_groups_cut_into_packed_micro_batches(results: Results) -> None:
+    one = results("dp1")[0]
+    got = _update(one["prompt_mean-several"])
+    assert _relative(got, _update(one["prompt_mean-one"]), one["prompt_mean-one"]["initial"]) < 1e-5
+
+
+def test_a_rank_without_active_tokens_still_takes_part(results: Results) -> None:
+    # Groups 1, 3, 5 are all masked: data-parallel rank 1 has nothing to train on.
+    one = results("dp1")[0]["masked-odd"]
+    for rank in (0, 1):
+        result = results("dp2")[rank]["masked-odd"]
+        assert result["stats"]["lossreduce/normalizer/pg"] == 3.0  # groups 0, 2, 4
+        assert _relative(_update(result), _update(one), one["initial"]) < 1e-5
+
+
+# -- the A/B against AReaL's own token mean ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["dp1", "dp2", "tp2"])
+def test_token_mean_is_areals_own_update_and_grad_norm(results: Results, layout: str) -> None:
+    for run in results(layout):
+        ours, stock = run["token_mean-one"], run["stock-one"]
+        assert _relative(_update(ours), _update(stock), stock["initial"]) < 1e-5
+        assert ours["stats"]["grad_norm"] == pytest.approx(stock["stats"]["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["dp1", "dp2", "tp2"])
+def test_each_rounds_normalizer_is_areals_own_count(results: Results, layout: str) -> None:
+    world_tokens = sum(
+        int(areal_runs.group_rows(g)["loss_mask"].count_nonzero())
+        for g in range(len(areal_runs.GROUP_SIZES))
+    )
+    runs = results(layout)
+    for run in runs:
+        stats = run["token_mean-one"]["stats"]
+        assert stats["lossreduce/normalizer/pg"] == world_tokens
+        seq = run["seq_mean-one"]["stats"]
+        assert seq["lossreduce/normalizer/pg"] == sum(areal_runs.GROUP_SIZES)
+    # AReaL's own counts of each data-parallel rank's shard (tensor-parallel ranks
+    # share one), summed: the step's tokens and sequences.
+    shards = runs if layout == "dp2" else runs[:1]
+    assert sum(r["token_mean-one"]["stats"]["n_valid_tokens"] for r in shards) == world_tokens
+    assert sum(r["seq_mean-one"]["stats"]["ppo_actor/n_seqs"] for r in shards) == sum(
+        areal_runs.GROUP_SIZES
+    )
+
+
+# -- failures: the same on every rank, no step taken ------------------------------------------------
+
+
+def _errors(results: Results, case: str) -> list[tuple[str, str]]:
+    per_rank = [r[case] for r in results("dp2")]
+    for result in per_rank:
+        assert result["untouched"], f"{case}: weights or optimizer state changed"
+    return [r.get("error", ("", "")) for r in per_rank]
+
+
+def test_inf_on_one_rank_is_named_on_every_rank(results: Results) -> None:
+    (kind0, msg0), (kind1, msg1) = _errors(results, "inf")
+    assert kind1 == "InvalidPartialError", msg1
+    assert "rank 1" in msg1
+    assert "'pg'=inf" in msg1
+    assert kind0 == "RoundAbortedError", msg0
+    assert "rank 1" in msg0
+
+
+def test_a_bad_weight_is_refused_through_the_coordinator(results: Results) -> None:
+    (kind0, msg0), (kind1, msg1) = _errors(results, "weight-seq_mean-coordinator")
+    assert kind1 == "InvalidPartialError", msg1
+    assert "step 0 rank 1" in msg1
+    assert kind0 == "RoundAbortedError", msg0
+
+
+def test_a_nan_advantage_is_named_on_every_rank(results: Results) -> None:
+    (kind0, msg0), (kind1, msg1) = _errors(results, "nan-advantage")
+    assert kind0 == "InvalidPartialError", msg0
+    assert "advantages is nan at active token (row 0, position 3)" in msg0
+    assert kind1 == "RoundAbortedError", msg1
+
+
+def test_an_empty_step_raises_or_is_skipped_on_every_rank(results: Results) -> None:
+    for kind, message in _errors(results, "empty-raise"):
+        assert kind == "EmptyNormalizerError", message
+    assert _errors(results, "empty-skip") == [("", ""), ("", "")]
+    for rank in (0, 1):
+        assert results("dp2")[rank]["empty-skip"]["skipped_steps"] == 1
+
+
+def test_the_coordinator_gives_the_torch_backends_update_bit_for_bit(results: Results) -> None:
+    for run in results("dp2"):
+        coordinator, torch_backend = (
+            _update(run["coordinator-prompt_mean"]),
+            _update(run["prompt_mean-one"]),
+        )
+        assert all(torch.equal(coordinator[n], torch_backend[n]) for n in torch_backend)
+
+
+# -- distillation -----------------------------------------------------------------------------------
+
+
+def test_a_teacher_is_refused_outside_token_mean(results: Results) -> None:
+    result = results("dp1")[0]["teacher-seq_mean"]
+    assert result["untouched"]
+    kind, message = result["error"]
+    assert kind == "ReductionConfigError"
+    assert "with a teacher use mode 'token_mean'" in message
+
+
+def test_a_teacher_in_token_mean_is_areals_update(results: Results) -> None:
+    run = results("dp1")[0]
+    ours, stock = run["teacher-token_mean"], run["stock-teacher"]
+    assert "lossreduce/normalizer/distill" in ours["stats"], sorted(ours["stats"])
+    assert _relative(_update(ours), _update(stock), stock["initial"]) < 1e-5
+
+
+# -- context parallelism ----------------------------------------------------------------------------
+
+
+def test_context_parallel_stops_in_megatron_cores_local_attention(results: Results) -> None:
+    for result in results("cp2"):
+        kind, message, _ = result["token_mean-one"]["init_error"]
+        assert kind == "AssertionError"
+        assert "Context parallelism is only supported by TEDotProductAttention" in message
