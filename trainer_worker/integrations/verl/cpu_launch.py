@@ -35,6 +35,8 @@ __all__ = [
     "Inputs",
     "Launch",
     "launch_env",
+    "logged_steps",
+    "main_ppo_env",
     "overrides",
     "run_main_ppo",
     "save_model",
@@ -244,12 +246,11 @@ class Launch:
         return sorted(int(s["step"]) for s in self.steps)
 
 
-def run_main_ppo(
-    folder: Path, args: list[str], timeout: float = 600, *, cuda: bool = False
-) -> Launch:
-    """``python -m verl.trainer.main_ppo *args`` in a fresh process (its own local Ray),
-    in ``folder``, verl's file logger writing to ``folder/metrics.jsonl``."""
-    metrics = folder / "metrics.jsonl"
+def main_ppo_env(metrics: Path, *, cuda: bool = False) -> dict[str, str]:
+    """The environment of a ``main_ppo`` process: this one's, the launch's
+    (:func:`launch_env`), quiet logs, no hub, and verl's file logger writing to ``metrics``.
+    Without ``RAY_ADDRESS``: the launch starts a Ray of its own, as ``python -m
+    verl.trainer.main_ppo`` does."""
     env = {
         **os.environ,
         **launch_env(cuda=cuda),
@@ -263,18 +264,30 @@ def run_main_ppo(
     if cuda:
         for key in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE"):
             env.pop(key, None)
-    # The launch starts a Ray of its own, as ``python -m verl.trainer.main_ppo`` does.
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def logged_steps(metrics: Path) -> list[dict[str, Any]]:
+    """Every record verl's file logger wrote to ``metrics`` (none if it never opened it)."""
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def run_main_ppo(
+    folder: Path, args: list[str], timeout: float = 600, *, cuda: bool = False
+) -> Launch:
+    """``python -m verl.trainer.main_ppo *args`` in a fresh process (its own local Ray),
+    in ``folder``, verl's file logger writing to ``folder/metrics.jsonl``."""
+    metrics = folder / "metrics.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", *args],
         cwd=folder,
-        env=env,
+        env=main_ppo_env(metrics, cuda=cuda),
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
-    steps = []
-    if metrics.exists():
-        steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return Launch(done.returncode, done.stdout + done.stderr, steps)
+    return Launch(done.returncode, done.stdout + done.stderr, logged_steps(metrics))

@@ -10,6 +10,11 @@ entry point (e.g. lossreduce not installed as a package)
 ``VERL_USE_EXTERNAL_MODULES=lossreduce.trainer_worker.integrations.verl.plugin``
 loads it the same way.
 
+At the end of verl's set-up, once the trainer has loaded its checkpoint (or found
+none) and before its first rollout, the trainer mode has every actor rank claim its
+job and group from the round the run sends first, so a launch another run's claim
+refuses stops at start-up (:meth:`LossReducePPOTrainer._load_checkpoint`).
+
 It also wraps verl's ``validate_config`` (which ``main_ppo`` calls in the driver,
 before Ray starts) with :func:`~.launch.check_launch`: a launch that gives
 lossreduce's settings to a trainer that would not run them stops there.
@@ -26,7 +31,11 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from lossreduce.trainer_worker.integrations.verl.launch import TRAINER_MODE, check_launch
-from lossreduce.trainer_worker.integrations.verl.worker import LossReduceActorRolloutRefWorker
+from lossreduce.trainer_worker.integrations.verl.worker import (
+    LossReduceActorRolloutRefWorker,
+    RunClaim,
+    describe_claims,
+)
 
 __all__ = ["TRAINER_MODE", "LossReducePPOTrainer", "actor_worker_mapping", "validate_config"]
 
@@ -67,7 +76,20 @@ class LossReducePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
     """verl's synchronous PPO trainer with lossreduce's actor workers."""
 
     role_worker_mapping: dict[object, object]
+    actor_rollout_wg: Any
 
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
         self.role_worker_mapping = actor_worker_mapping(self.role_worker_mapping)
+
+    def _load_checkpoint(self) -> None:
+        """verl's resume, then the actor's claim of its (job, group) from the round it
+        sends first (:meth:`LossReduceActorRolloutRefWorker.claim_rounds`): the end of
+        verl's set-up, before any rollout. A launch whose group another run holds stops
+        here with :class:`~lossreduce.errors.RunConflictError` naming the holder."""
+        super()._load_checkpoint()
+        claims: list[RunClaim] = self.actor_rollout_wg.claim_rounds()
+        # The launch's log names the run once per group, so a refusal elsewhere can be
+        # traced to it.
+        for line in describe_claims(claims):
+            print(line, flush=True)

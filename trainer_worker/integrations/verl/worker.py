@@ -27,6 +27,11 @@ naming it. An empty mini-batch (no active token on any rank) raises
 optimizer state and its step counter stay as they were (the learning-rate
 schedule still advances with verl's training steps).
 
+Before any of that, :meth:`LossReduceTrainingWorker.claim` claims the run's job and
+group at the coordinator from the round the run sends first (0, or the round counter
+``load_checkpoint`` restored), so a launch another run holds the group against stops at
+start-up; ``save_checkpoint`` keeps that counter next to verl's checkpoint.
+
 :class:`LossReduceActorRolloutRefWorker` is verl's ``ActorRolloutRefWorker``
 building its actor from this worker, with settings from its config's
 ``lossreduce`` key (``+actor_rollout_ref.lossreduce.mode=seq_mean``) over
@@ -60,6 +65,7 @@ from lossreduce.errors import (
     InvalidPartialError,
     RankContext,
     ReductionInputError,
+    UsageError,
 )
 from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.verl.launch import reduction_settings
@@ -87,6 +93,7 @@ from lossreduce.trainer_worker.normalizers import (
     GlobalNormalizer,
     LocalNormalizer,
     TorchDistributedNormalizer,
+    claim_run,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.step_rows import StepRows
@@ -97,7 +104,12 @@ if TYPE_CHECKING:
     from lossreduce.client import ClientSettings, ReductionClient
     from lossreduce.trainer_worker.integrations.coordinator_actor import JoinedCoordinator
 
-__all__ = ["LossReduceActorRolloutRefWorker", "LossReduceTrainingWorker"]
+__all__ = [
+    "LossReduceActorRolloutRefWorker",
+    "LossReduceTrainingWorker",
+    "RunClaim",
+    "describe_claims",
+]
 
 
 class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
@@ -158,8 +170,9 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
     # -- the run and its rounds -----------------------------------------------------
 
     def identity(self) -> tuple[str, str]:
-        """(run, job) of this worker's rounds, resolved at the first mini-batch: every
-        rank of the worker group trains it, so rank 0's draw can be shared then."""
+        """(run, job) of this worker's rounds, resolved at the claim (or else the first
+        mini-batch): every rank of the worker group calls both, so rank 0's draw can be
+        shared then."""
         if self._identity is None:
             settings = self.reduction_settings
             # The whole worker group, not one sequence-parallel index's data-parallel
@@ -167,6 +180,18 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
             run = resolve_run(settings.run)
             self._identity = run, settings.job_of(run)
         return self._identity
+
+    def claim(self) -> RunClaim:
+        """Claim this worker group's (job, group) for its run, at the round it sends first
+        (0 for a new run, the checkpoint's round counter once ``load_checkpoint`` restored
+        it), before any rollout: a launch the coordinator refuses
+        (:class:`~lossreduce.errors.RunConflictError` naming the holder) stops at start-up
+        instead of at its first mini-batch. A no-op but for the identity with the torch
+        normalizer, which no other run can reach. Every rank calls it (the identity may be
+        a collective)."""
+        run, job = self.identity()
+        took_over = claim_run(self.normalizer(), self._round)
+        return RunClaim(run, job, self._round_group(), self._round, took_over)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
     def save_checkpoint(
@@ -389,6 +414,38 @@ class LossReduceTrainingWorker(TrainingWorker):  # type: ignore[misc]
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
 
 
+@dataclasses.dataclass(frozen=True)
+class RunClaim:
+    """What one rank claimed at start-up (:meth:`LossReduceTrainingWorker.claim`)."""
+
+    run: str
+    job: str
+    group: str
+    step: int
+    """The first round the run sends: 0, or where its checkpoint left the counter."""
+    took_over: bool
+    """The coordinator handed this run the claim of a run it replaced (a resume)."""
+
+    def describe(self) -> str:
+        """One line for the launch's log: which run holds which group from which round."""
+        how = ", taken over from the run it resumes" if self.took_over else ""
+        return (
+            f"lossreduce: run {self.run!r} claimed job {self.job!r} group {self.group!r} "
+            f"from round {self.step}{how}"
+        )
+
+
+def describe_claims(claims: list[RunClaim]) -> list[str]:
+    """One line per group the ranks claimed (every rank of a group claims the same run and
+    round). A takeover is reported to the one rank whose claim made it, whichever came
+    first; the group's line says so if any rank's did."""
+    took: dict[tuple[str, str, str, int], bool] = {}
+    for c in claims:
+        key = (c.run, c.job, c.group, c.step)
+        took[key] = took.get(key, False) or c.took_over
+    return [RunClaim(*key, took_over).describe() for key, took_over in sorted(took.items())]
+
+
 def _round_file(checkpoint: str) -> Path:
     """Where a rank keeps its round counter in a checkpoint folder (one file per rank:
     a node-local checkpoint folder holds its own ranks' files)."""
@@ -424,3 +481,15 @@ class LossReduceActorRolloutRefWorker(ActorRolloutRefWorker):  # type: ignore[mi
         self.actor_worker_cls: Callable[..., LossReduceTrainingWorker] = functools.partial(
             LossReduceTrainingWorker, reduction=self.reduction_settings
         )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
+    def claim_rounds(self) -> RunClaim:
+        """The actor's :meth:`LossReduceTrainingWorker.claim`, on every rank (the trainer
+        mode calls it once verl's trainer has loaded its checkpoint, or found none)."""
+        actor = self.actor
+        if not isinstance(actor, LossReduceTrainingWorker):
+            raise UsageError(
+                f"role {self.role!r}: claim_rounds needs the actor built by init_model(), "
+                f"which this worker has not (actor: {type(actor).__name__})"
+            )
+        return actor.claim()

@@ -4,10 +4,35 @@ verl warns on import for every optional engine it cannot load here (Megatron,
 TorchTitan, VeOmni, ...) and through Ray's deprecated state API; the pytest
 config turns warnings into errors, so verl is imported once here with exactly
 those filtered. The ranks the tests spawn set the same environment themselves.
+
+The one ``main_ppo`` launch two test modules share lives here too: the trainer mode in
+``token_mean`` and float32, one mini-batch a step, never interrupted. It is the A/B's
+lossreduce side (``test_main_ppo_ab.py``, its first two steps) and the uninterrupted
+run the resumed ones must equal (``test_main_ppo_resume.py``, its third).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_worker.integrations.verl.main_ppo_launch import (
+    COMPUTE_IN_FLOAT32,
+    ONE_MINI_BATCH,
+    STEPS,
+    TOKEN_MEAN,
+    Launch,
+    launched,
+)
 from tests.trainer_worker.integrations.verl.verl_runs import prepare_test_process
 
 prepare_test_process()
+
+
+@pytest.fixture(scope="session")
+def token_mean_float32(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """``main_ppo`` with the trainer mode (``token_mean``, the torch normalizer) in
+    float32, one mini-batch a step, :data:`STEPS` steps without interruption."""
+    folder: Path = tmp_path_factory.mktemp("token-mean")
+    return launched(folder, [*COMPUTE_IN_FLOAT32, *TOKEN_MEAN], STEPS, ONE_MINI_BATCH)

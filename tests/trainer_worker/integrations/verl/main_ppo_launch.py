@@ -24,8 +24,11 @@ from lossreduce.trainer_worker.integrations.verl.cpu_launch import (
 )
 
 __all__ = [
+    "COMPUTE_IN_FLOAT32",
     "LOSSREDUCE",
+    "ONE_MINI_BATCH",
     "STEPS",
+    "TOKEN_MEAN",
     "Inputs",
     "Launch",
     "documented_command",
@@ -36,6 +39,21 @@ __all__ = [
     "step_data",
     "write_inputs",
 ]
+
+
+FLOAT32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+COMPUTE_IN_FLOAT32 = [
+    f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={FLOAT32}",
+    f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={FLOAT32}",
+]
+"""The actor and the reference policy compute in float32: verl's FSDP engine computes in
+bfloat16 under autocast when ``fsdp_config.mixed_precision`` is unset, whatever
+``model_dtype`` says, and bfloat16 runs on CPU differ from run to run."""
+TOKEN_MEAN = ["trainer.v1.trainer_mode=lossreduce", "+actor_rollout_ref.lossreduce.mode=token_mean"]
+"""The trainer mode in ``token_mean`` with the torch normalizer (the A/B's lossreduce side)."""
+ONE_MINI_BATCH = 4
+"""``ppo_mini_batch_size`` of one mini-batch a step: with two, the split follows the order
+in which the agent loop's responses finish, which varies from run to run."""
 
 
 def documented_command(work: str = "$WORK") -> str:

@@ -14,7 +14,8 @@ round differently in every bfloat16 matmul of the backward, and bfloat16 runs on
 CPU differ run to run by about as much (6.5e-5 in the gradient norm, either side).
 In float32 they agree to 1e-7 (the gradient norms were identical where measured).
 
-Two launches, about 2.3 minutes each on 2 cores.
+Two launches, about 2.3 minutes each on 2 cores; the lossreduce one (conftest's
+``token_mean_float32``, 3 steps) is shared with ``test_main_ppo_resume.py``.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import math
 
 import pytest
 
-from tests.trainer_worker.integrations.verl.main_ppo_launch import Launch, launched, step_data
+from tests.trainer_worker.integrations.verl.main_ppo_launch import (
+    COMPUTE_IN_FLOAT32,
+    ONE_MINI_BATCH,
+    Launch,
+    launched,
+    step_data,
+)
 
 STEPS = 2
-FLOAT32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-COMPUTE_IN_FLOAT32 = [
-    f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={FLOAT32}",
-    f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={FLOAT32}",
-]
 # What the first update decides, read from verl's file logger.
 COMPARED = [
     "actor/pg_loss",
@@ -45,24 +47,18 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def ab_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Launch, Launch]:
+def ab_runs(
+    tmp_path_factory: pytest.TempPathFactory, token_mean_float32: Launch
+) -> tuple[Launch, Launch]:
     stock = launched(
         tmp_path_factory.mktemp("stock"),
         [*COMPUTE_IN_FLOAT32, "actor_rollout_ref.actor.loss_agg_mode=token-mean"],
         STEPS,
-        mini_batch_size=4,
+        mini_batch_size=ONE_MINI_BATCH,
     )
-    ours = launched(
-        tmp_path_factory.mktemp("token-mean"),
-        [
-            *COMPUTE_IN_FLOAT32,
-            "trainer.v1.trainer_mode=lossreduce",
-            "+actor_rollout_ref.lossreduce.mode=token_mean",
-        ],
-        STEPS,
-        mini_batch_size=4,
-    )
-    return stock, ours
+    # The lossreduce side is the session's uninterrupted token_mean run (its first
+    # STEPS steps; the resume tests compare their step 3 with its third).
+    return stock, token_mean_float32
 
 
 def test_stock_and_lossreduce_token_mean_give_the_same_first_update(
