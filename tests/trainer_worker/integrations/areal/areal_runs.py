@@ -20,6 +20,10 @@ Two test-only choices, both outside the code under test:
   sequence from the ``cu_seq_lens_q`` AReaL passes (what flash-attn's varlen
   kernel does on a GPU), so a micro-batch may hold several sequences without
   attention leaking between them. Stock and LossReduce actors use the same one.
+
+Beside it: :mod:`.reference_runs` (the formulas' update in plain PyTorch),
+:mod:`.m2po_runs` (the M2PO reference), :mod:`.archon_runs` (the Archon actor) and
+:mod:`.varlen_attention` (the attention above).
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 from torch.multiprocessing.spawn import spawn
-from torch.nn import functional
 
 GROUP_SIZES = [3, 1, 2, 4, 2, 2]
 SHARDS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 2, 4], [1, 3, 5]]}
@@ -190,43 +193,6 @@ def shard_data(world: int, rank: int, data: str = "base") -> list[dict[str, torc
     return rows
 
 
-# -- the varlen test attention ------------------------------------------------------------
-
-
-def varlen_sdpa(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    *,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed sequence of ``cu_seq_lens_q``."""
-    length = query.shape[2]  # query [1, H, S, D], key/value [1, H_kv, S, D]
-    positions = torch.arange(length, device=query.device)
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        segment = torch.zeros_like(positions)
-    else:
-        segment = torch.bucketize(positions, cu[1:].to(query.device, torch.int64), right=True)
-    mask = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
-    repeat = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(repeat, dim=1)
-    value = value.repeat_interleave(repeat, dim=1)
-    out = functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def use_varlen_attention() -> None:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = varlen_sdpa
-
-
 # -- model folder ---------------------------------------------------------------------------
 
 
@@ -242,15 +208,6 @@ def save_model(folder: Path) -> Path:
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
     ).save_pretrained(folder)
     tiny_qwen2(VOCAB).save_pretrained(folder)
-    return folder
-
-
-def save_weights(folder: Path, seed: int = 0) -> Path:
-    """Weights for :func:`save_model`'s config in ``folder`` (what the Archon cases load)."""
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(tiny_qwen2(VOCAB)).save_pretrained(folder)
     return folder
 
 
@@ -309,6 +266,8 @@ def make_actor(case: Case, model_dir: str, world: int) -> Any:
         temperature=1.0,
     )
     if case.engine == "archon":
+        from tests.trainer_worker.integrations.areal.archon_runs import make_archon_actor
+
         return make_archon_actor(case, config)
     if case.m2_threshold is not None:
         config.m2_threshold = case.m2_threshold
@@ -321,35 +280,6 @@ def make_actor(case: Case, model_dir: str, world: int) -> Any:
             config, reduction=ArealReductionSettings.model_validate(case.settings())
         )
     actor.create_process_group()
-    torch.manual_seed(0)  # the same initial weights in every case and on every rank
-    actor.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=8))
-    return actor
-
-
-def make_archon_actor(case: Case, config: Any) -> Any:
-    """AReaL's ``ArchonPPOActor`` (stock or with lossreduce) for ``case`` on CPU."""
-    import torch.distributed as dist
-    from areal.api.alloc_mode import ParallelStrategy
-    from areal.api.io_struct import FinetuneSpec
-    from areal.experimental.engine.archon_engine import ArchonPPOActor
-
-    from lossreduce.trainer_worker.integrations.areal import ArealReductionSettings
-    from lossreduce.trainer_worker.integrations.areal.actors import LossReduceArchonPPOActor
-    from lossreduce.trainer_worker.integrations.areal.archon_cpu import archon_cpu_config
-
-    archon_cpu_config(config)
-    # Archon initializes its sharded parameters with DTensor's random generator, so a
-    # seed gives different weights on one and two ranks: load save_weights' instead.
-    config.init_from_scratch = False
-    if case.impl == "stock":
-        actor = ArchonPPOActor(config)
-    else:
-        actor = LossReduceArchonPPOActor(
-            config, reduction=ArealReductionSettings.model_validate(case.settings())
-        )
-    # Archon reads its layout from the strategy (FSDP from the world size): data parallel
-    # over every rank.
-    actor.create_process_group(ParallelStrategy(data_parallel_size=dist.get_world_size()))
     torch.manual_seed(0)  # the same initial weights in every case and on every rank
     actor.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=8))
     return actor
@@ -385,24 +315,30 @@ def optimizer_state(actor: Any) -> list[torch.Tensor]:
 
 def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
     """The measured step; returns AReaL's train stats."""
+    return measured_step(actor, case, shard_data(world, rank, case.data), bad_rank=rank == 1)
+
+
+def measured_step(
+    actor: Any, case: Case, data: list[dict[str, torch.Tensor]], bad_rank: bool
+) -> dict[str, float]:
+    """AReaL's own ``ppo_update`` of ``data`` (its train stats), or for a bad
+    ``case.weight`` its PPO loss through ``train_batch`` with that ``loss_weight_fn``
+    on the ``bad_rank`` (every other rank weighs by its token count)."""
     from areal.utils import stats_tracker
 
-    data = shard_data(world, rank, case.data)
     if case.weight == "count":
         stats_tracker.export(reset=True)  # drop what earlier steps recorded
         actor.ppo_update(data)
         stats = stats_tracker.export(reset=True)
         return {k.removeprefix("ppo_actor/update/"): float(v) for k, v in stats.items()}
-    # A bad loss weight on rank 1, everything else AReaL's own PPO update.
+    # A bad loss weight on one rank, everything else AReaL's own PPO update.
+    from areal.trainer.ppo.actor import grpo_loss_fn
     from areal.utils.data import concat_batch
 
     batch, _ = concat_batch(data)
-    batch.pop("rewards")
-    batch.pop("kl_rewards")
-    batch.pop("tot_rewards")
+    for key in ("rewards", "kl_rewards", "tot_rewards"):
+        batch.pop(key)
     actor.train()
-    from areal.trainer.ppo.actor import grpo_loss_fn
-
     if case.impl == "lossreduce":
         # What the actor's ppo_update adds: one prompt group per trajectory dict.
         from lossreduce.trainer_worker.integrations.areal.plan import GROUP_KEY
@@ -416,7 +352,7 @@ def _update(actor: Any, case: Case, world: int, rank: int) -> dict[str, float]:
 
     def weight(x: dict[str, Any]) -> torch.Tensor:
         count: torch.Tensor = x["loss_mask"].count_nonzero()
-        if rank != 1:
+        if not bad_rank:
             return count
         bad: torch.Tensor = BAD_WEIGHTS[case.weight](count)
         return bad
@@ -437,24 +373,40 @@ def run_case(case: Case, model_dir: str, world: int, rank: int) -> dict[str, Any
     try:
         for _ in range(case.prelude):
             actor.ppo_update(shard_data(world, rank))
-        before = full_params(actor)
-        state_before = optimizer_state(actor)
-        out: dict[str, Any] = {"initial": before}
-        try:
-            out["stats"] = _update(actor, case, world, rank)
-        except Exception as err:
-            out["error"] = (type(err).__name__, str(err))
-        out["params"] = full_params(actor)
-        state_after = optimizer_state(actor)
-        out["untouched"] = (
-            all(torch.equal(out["params"][n], before[n]) for n in before)
-            and len(state_before) == len(state_after)
-            and all(torch.equal(a, b) for a, b in zip(state_before, state_after, strict=True))
+        return measure(
+            actor, lambda: _update(actor, case, world, rank), full_params, optimizer_state
         )
-        out["skipped_steps"] = getattr(actor, "skipped_steps", None)
-        return out
     finally:
         actor.destroy()
+
+
+def measure(
+    actor: Any,
+    step: Callable[[], dict[str, float]],
+    params: Callable[[Any], dict[str, torch.Tensor]],
+    state: Callable[[Any], list[torch.Tensor]],
+) -> dict[str, Any]:
+    """What ``step`` on ``actor`` did: the parameters before and after (``params``), its
+    stats or error, its time, whether it left weights and optimizer state (``state``)
+    untouched, and the actor's skipped-step count."""
+    before = params(actor)
+    state_before = state(actor)
+    out: dict[str, Any] = {"initial": before}
+    started = time.perf_counter()
+    try:
+        out["stats"] = step()
+    except Exception as err:
+        out["error"] = (type(err).__name__, str(err))
+    out["seconds"] = time.perf_counter() - started
+    out["params"] = params(actor)
+    state_after = state(actor)
+    out["untouched"] = (
+        all(torch.equal(out["params"][n], before[n]) for n in before)
+        and len(state_before) == len(state_after)
+        and all(torch.equal(a, b) for a, b in zip(state_before, state_after, strict=True))
+    )
+    out["skipped_steps"] = getattr(actor, "skipped_steps", None)
+    return out
 
 
 # -- the exact-sum case -------------------------------------------------------------------------
@@ -478,145 +430,6 @@ def run_exact_sum(model_dir: str, world: int, rank: int) -> dict[str, float]:
         return {"lossreduce": float(ours), "areal": float(theirs)}
     finally:
         actor.destroy()
-
-
-# -- the reference ---------------------------------------------------------------------------------
-
-
-def reference_updates(
-    model_dir: str, initial: dict[str, torch.Tensor]
-) -> dict[str, dict[str, Any]]:
-    """Each mode's SGD update from docs/reduction-semantics.md, row by row, in plain
-    PyTorch on the same initial weights (no AReaL, no code under test)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(initial)
-    rows = [group_rows(g) for g in range(len(GROUP_SIZES))]
-    out = {}
-    for mode in MODES:
-        model.zero_grad()
-        total: Any = None
-        per_group = []
-        for g, group in enumerate(rows):
-            per_row = []
-            for i in range(GROUP_SIZES[g]):
-                length = int(group["attention_mask"][i].sum())
-                ids = group["input_ids"][i : i + 1, :length]
-                logits = model(input_ids=ids).logits[0].float()  # [L, V]
-                logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-                m = group["loss_mask"][i, : length - 1].bool()
-                adv = group["advantages"][i, : length - 1]
-                ratio = torch.exp(logp - group["prox_logp"][i, : length - 1])
-                clipped = ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP)
-                token_loss = torch.maximum(-adv * ratio, -adv * clipped)
-                per_row.append((torch.where(m, token_loss, 0.0).sum(), float(m.sum())))
-            per_group.append(per_row)
-        flat = [r for g in per_group for r in g]
-        if mode == "token_mean":
-            total = sum(s for s, _ in flat) / sum(d for _, d in flat)
-        elif mode == "seq_mean":
-            active = [(s, d) for s, d in flat if d > 0]
-            total = sum(s / d for s, d in active) / len(active)
-        elif mode == "constant":
-            active = [(s, d) for s, d in flat if d > 0]
-            total = sum(s for s, _ in active) / (DIVISOR * len(active))
-        else:
-            groups = [g for g in per_group if sum(d for _, d in g) > 0]
-            total = sum(sum(s for s, _ in g) / sum(d for _, d in g) for g in groups) / len(groups)
-        total.backward()
-        out[mode] = {
-            "loss": float(total.detach()),
-            "params": {n: (p - LR * p.grad).detach().clone() for n, p in model.named_parameters()},
-        }
-    return out
-
-
-# -- the M2PO reference ------------------------------------------------------------------------------
-
-
-def global_m2po_keep(rows: list[dict[str, torch.Tensor]], threshold: float) -> list[torch.Tensor]:
-    """Each group's [b, T] mask of the active tokens a mask decided over the whole step keeps.
-
-    Plain Python, independent of the code under test: every active token's
-    ``m2 = (old - prox)^2`` in float64; the tokens kept are those with ``m2 <= c`` for the largest value
-    ``c`` of the step whose tokens ``m2 <= c`` have a mean below ``threshold``
-    (compared exactly, in fractions), none when no value qualifies. Without ties
-    this is AReaL's rule: drop the largest until the mean of the rest is below
-    the threshold.
-    """
-    m2 = []
-    for group in rows:
-        delta = group["logprobs"].double() - group["prox_logp"].double()  # [b, T]
-        m2.append(torch.where(group["loss_mask"] != 0, delta * delta, math.nan))
-    values = sorted(float(v) for g in m2 for v in g[~g.isnan()].tolist())
-    limit = Fraction(threshold)
-    cut = -math.inf
-    total = Fraction(0)
-    for n, value in enumerate(values, start=1):
-        total += Fraction(value)
-        # Admissible only once every equal value is in (ties go together).
-        if (n == len(values) or values[n] != value) and total < limit * n:
-            cut = value
-    return [(g <= cut) & ~g.isnan() for g in m2]
-
-
-def m2po_reference_updates(
-    model_dir: str, initial: dict[str, torch.Tensor], threshold: float, data: str = "m2po"
-) -> dict[str, Any]:
-    """Each mode's SGD update over the tokens :func:`global_m2po_keep` keeps, with
-    AReaL's decoupled PPO loss (ratio to ``prox_logp``, no rejection sampling), in
-    plain PyTorch: the formulas of docs/reduction-semantics.md with ``D_i`` the
-    response's kept tokens and responses with none kept inactive."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(initial)
-    rows = [group_rows(g, data) for g in range(len(GROUP_SIZES))]
-    keep = global_m2po_keep(rows, threshold)
-    out: dict[str, Any] = {"kept": [int(k.sum()) for k in keep]}
-    for mode in MODES:
-        model.zero_grad()
-        per_group = []
-        for g, group in enumerate(rows):
-            per_row = []
-            for i in range(GROUP_SIZES[g]):
-                length = int(group["attention_mask"][i].sum())
-                ids = group["input_ids"][i : i + 1, :length]
-                logits = model(input_ids=ids).logits[0].float()  # [L, V]
-                logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-                m = keep[g][i, : length - 1]
-                adv = group["advantages"][i, : length - 1]
-                ratio = torch.exp(logp - group["prox_logp"][i, : length - 1])
-                clipped = ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP)
-                token_loss = torch.maximum(-adv * ratio, -adv * clipped)
-                per_row.append((torch.where(m, token_loss, 0.0).sum(), float(m.sum())))
-            per_group.append(per_row)
-        flat = [r for grp in per_group for r in grp]
-        total: Any
-        if mode == "token_mean":
-            total = sum(s for s, _ in flat) / sum(d for _, d in flat)
-        elif mode == "seq_mean":
-            active = [(s, d) for s, d in flat if d > 0]
-            total = sum(s / d for s, d in active) / len(active)
-        elif mode == "constant":
-            active = [(s, d) for s, d in flat if d > 0]
-            total = sum(s for s, _ in active) / (DIVISOR * len(active))
-        else:
-            groups = [grp for grp in per_group if sum(d for _, d in grp) > 0]
-            total = sum(sum(s for s, _ in grp) / sum(d for _, d in grp) for grp in groups) / len(
-                groups
-            )
-        total.backward()
-        out[mode] = {
-            "loss": float(total.detach()),
-            "params": {n: (p - LR * p.grad).detach().clone() for n, p in model.named_parameters()},
-        }
-    return out
 
 
 # -- processes --------------------------------------------------------------------------------------
@@ -643,6 +456,8 @@ def run_rank(rank: int, job: Job) -> None:
         WORLD_SIZE=str(job.world),
         LOCAL_WORLD_SIZE=str(job.world),
     )
+    from tests.trainer_worker.integrations.areal.varlen_attention import use_varlen_attention
+
     use_varlen_attention()
     # One default group for every case (an actor that made its own would tear it down).
     import torch.distributed as dist
@@ -655,10 +470,14 @@ def run_rank(rank: int, job: Job) -> None:
         if job.exact_sum:
             results["exact-sum"] = run_exact_sum(job.model_dir, job.world, rank)
         if job.reference and rank == 0:
+            from tests.trainer_worker.integrations.areal.reference_runs import reference_updates
+
             first = next(iter(results.values()))
             results["reference"] = reference_updates(job.model_dir, first["initial"])
         m2po_data = job.extra.get("m2po_reference")
         if m2po_data is not None and rank == 0:
+            from tests.trainer_worker.integrations.areal.m2po_runs import m2po_reference_updates
+
             first = next(iter(results.values()))
             results["m2po_reference"] = m2po_reference_updates(
                 job.model_dir, first["initial"], M2_THRESHOLD, m2po_data

@@ -29,7 +29,6 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -199,37 +198,19 @@ def start_halted(
     marks.mkdir()
     output_path = halted / "torchrun.log"
     output = output_path.open("wb")
-    args = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc-per-node={ranks}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(_halting_script(halted)),
-        "--config",
-        str(trainer_loop.CONFIG),
-        f"actor.path={model}",
-        f"train_dataset.path={prompts}",
-        # Where trainer_loop.run_loop puts them for a launch in `work`: the relaunch's.
-        f"cluster.fileroot={work / 'fileroot'}",
-        f"cluster.name_resolve.nfs_record_root={work / 'name_resolve'}",
-        *overrides,
-    ]
-    full_env = {
-        **os.environ,
-        "AREAL_SPMD_MODE": "1",
-        "AREAL_LLM_SERVER_ADDRS": server.address,
-        "OMP_NUM_THREADS": "1",
-        "TORCH_COMPILE_DISABLE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": str(trainer_loop.ROOT),
-        HALT_AFTER_ENV: str(halt_after),
-        HALT_DIR_ENV: str(marks),
-        **env,
-    }
+    # The fileroot and name records go where trainer_loop.run_loop puts them for a launch
+    # in `work`: the relaunch's.
+    args, full_env = trainer_loop.torchrun_command(
+        _halting_script(halted),
+        work,
+        model=model,
+        prompts=prompts,
+        server=server.address,
+        master_port=free_port(),
+        env={HALT_AFTER_ENV: str(halt_after), HALT_DIR_ENV: str(marks), **env},
+        ranks=ranks,
+        overrides=overrides,
+    )
     process = subprocess.Popen(
         args,
         cwd=work,

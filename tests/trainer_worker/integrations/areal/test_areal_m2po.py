@@ -20,8 +20,7 @@ the rollout's log-probabilities (:func:`.areal_runs.m2po_prox`), under
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ from areal.utils.data import concat_batch
 
 from lossreduce.errors import ReductionConfigError
 from lossreduce.ports import free_port
-from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.trainer_worker.integrations.areal import (
     ArealReductionSettings,
     LossReduceFSDPPPOActor,
@@ -47,8 +45,9 @@ from lossreduce.trainer_worker.integrations.areal.m2po import (
 from lossreduce.trainer_worker.integrations.areal.plan import plan_batch
 from lossreduce.trainer_worker.normalizers import LocalNormalizer
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
-from tests.conftest import TEST_SETTINGS
-from tests.trainer_worker.integrations.areal import areal_runs
+from tests.trainer_worker.integrations.areal import actor_checks as checks
+from tests.trainer_worker.integrations.areal import areal_runs, m2po_runs
+from tests.trainer_worker.integrations.areal.actor_checks import RankResults
 from tests.trainer_worker.integrations.areal.areal_runs import (
     GROUP_SIZES,
     M2_THRESHOLD,
@@ -60,6 +59,8 @@ from tests.trainer_worker.integrations.areal.areal_runs import (
     Case,
     Job,
 )
+
+Results = Callable[[int], RankResults]
 
 LAYOUTS = {"one": ONE_PER_MB, "several": SEVERAL_PER_MB, "whole": WHOLE_SHARD}
 GLOBAL_LAYOUTS: dict[str, dict[int, tuple[str, ...]]] = {
@@ -117,69 +118,33 @@ def _cases(world: int, target: str) -> list[Case]:
 
 
 @pytest.fixture(scope="module")
-def coordinator_target() -> Iterator[str]:
-    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
-    yield thread.target
-    thread.stop()
-
-
-@pytest.fixture(scope="module")
-def results(
-    coordinator_target: str, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[[int], list[dict[str, Any]]]:
+def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -> Results:
     """world size -> every rank's results (each world run once per module)."""
     model_dir = areal_runs.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
-    cache: dict[int, list[dict[str, Any]]] = {}
-    root = Path(__file__).resolve().parents[4]
 
-    def get(world: int) -> list[dict[str, Any]]:
-        if world not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.syspath_prepend(str(root))  # spawned ranks import the run module
-                started = time.perf_counter()
-                cache[world] = areal_runs.run(
-                    Job(
-                        world,
-                        _cases(world, coordinator_target),
-                        str(model_dir),
-                        str(tmp_path_factory.mktemp(f"m2po-world{world}")),
-                        free_port(),
-                        extra={"m2po_reference": "m2po"} if world == 1 else {},
-                    )
-                )
-                print(f"AReaL M2PO world {world}: {time.perf_counter() - started:.1f} s")
-            for rank, result in enumerate(cache[world]):
-                assert "crash" not in result, f"world {world} rank {rank}: {result['crash']}"
-        return cache[world]
+    def run(world: int) -> RankResults:
+        return areal_runs.run(
+            Job(
+                world,
+                _cases(world, coordinator_target),
+                str(model_dir),
+                str(tmp_path_factory.mktemp(f"m2po-world{world}")),
+                free_port(),
+                extra={"m2po_reference": "m2po"} if world == 1 else {},
+            )
+        )
 
-    return get
+    return checks.cached_runs(run, Path(__file__).resolve().parents[4], "AReaL M2PO world")
 
 
-def _relative(
-    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
-) -> float:
-    """|got - want| / |want - start| over all parameters: the error relative to the update."""
-    num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
-    den = sum(float((want[n].double() - start[n].double()).pow(2).sum()) for n in want)
-    assert den > 0, "the reference step did not move the weights"
-    return float((num / den) ** 0.5)
-
-
-def _update(result: dict[str, Any]) -> dict[str, torch.Tensor]:
-    assert "error" not in result, result["error"]
-    assert result["stats"]["update_successful"] == 1.0, result["stats"]
-    params: dict[str, torch.Tensor] = result["params"]
-    return params
-
-
-def _reference(results: Callable[[int], list[dict[str, Any]]]) -> dict[str, Any]:
+def _reference(results: Results) -> dict[str, Any]:
     reference: dict[str, Any] = results(1)[0]["m2po_reference"]
     return reference
 
 
 def _kept_per_group(data: str = "m2po") -> list[int]:
     rows = [areal_runs.group_rows(g, data) for g in range(len(GROUP_SIZES))]
-    return [int(k.sum()) for k in areal_runs.global_m2po_keep(rows, M2_THRESHOLD)]
+    return [int(k.sum()) for k in m2po_runs.global_m2po_keep(rows, M2_THRESHOLD)]
 
 
 def _layouts(world_layouts: dict[int, tuple[str, ...]], name: str) -> list[tuple[int, str]]:
@@ -200,12 +165,10 @@ def test_the_data_has_a_mask_to_decide() -> None:
 
 
 @pytest.mark.parametrize("name", SPLIT_CASES)
-def test_a_per_micro_batch_mask_depends_on_the_split(
-    results: Callable[[int], list[dict[str, Any]]], name: str
-) -> None:
+def test_a_per_micro_batch_mask_depends_on_the_split(results: Results, name: str) -> None:
     start = results(1)[0][f"{name}-whole"]["initial"]
     updates = {
-        (world, case): _update(results(world)[0][case])
+        (world, case): checks.update(results(world)[0][case])
         for world, case in _layouts(SPLIT_LAYOUTS, name)
     }
     # Kept tokens (AReaL's loss counts what its mask left) per layout, over the ranks.
@@ -223,39 +186,35 @@ def test_a_per_micro_batch_mask_depends_on_the_split(
     whole = updates[(1, f"{name}-whole")]
     # One sequence per micro-batch moves the update; the same micro-batches on two
     # ranks do not.
-    assert _relative(one_seq, whole, start) > 0.1
-    assert _relative(updates[(2, f"{name}-one")], one_seq, start) < 1e-6
+    assert checks.relative(one_seq, whole, start) > 0.1
+    assert checks.relative(updates[(2, f"{name}-one")], one_seq, start) < 1e-6
     # Two ranks of one micro-batch each keep as many tokens, not the same ones.
-    assert _relative(updates[(2, f"{name}-whole")], whole, start) > 0.01
+    assert checks.relative(updates[(2, f"{name}-whole")], whole, start) > 0.01
 
 
 def test_stock_areal_with_one_micro_batch_is_the_global_formula(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: Results,
 ) -> None:
     result = results(1)[0]["stock-whole"]
     want = _reference(results)["token_mean"]["params"]
-    assert _relative(_update(result), want, result["initial"]) < 1e-6
+    assert checks.relative(checks.update(result), want, result["initial"]) < 1e-6
 
 
 # -- the global mask: invariant and the formula ---------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_global_mask_gives_the_formula_in_every_layout(
-    results: Callable[[int], list[dict[str, Any]]], mode: str
-) -> None:
+def test_the_global_mask_gives_the_formula_in_every_layout(results: Results, mode: str) -> None:
     want = _reference(results)[mode]["params"]
     start = results(1)[0][f"global-{mode}-one"]["initial"]
     for world, case in _layouts(GLOBAL_LAYOUTS[mode], f"global-{mode}"):
         for rank, result in enumerate(results(world)):
-            error = _relative(_update(result[case]), want, start)
+            error = checks.relative(checks.update(result[case]), want, start)
             assert error < 1e-6, f"world {world} rank {rank} {case}: {error}"
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_areals_loss_sees_exactly_the_globally_kept_tokens(
-    results: Callable[[int], list[dict[str, Any]]], mode: str
-) -> None:
+def test_areals_loss_sees_exactly_the_globally_kept_tokens(results: Results, mode: str) -> None:
     kept = _kept_per_group()
     for world, case in _layouts(GLOBAL_LAYOUTS[mode], f"global-{mode}"):
         for rank, result in enumerate(results(world)):
@@ -270,7 +229,7 @@ def test_areals_loss_sees_exactly_the_globally_kept_tokens(
 def test_areals_own_mask_would_have_cut_more_after_the_global_cut() -> None:
     # After the global cut, some one-sequence micro-batch still has a mean m2 above
     # the threshold: AReaL's mask, left on, would cut it again.
-    keep = areal_runs.global_m2po_keep(
+    keep = m2po_runs.global_m2po_keep(
         [areal_runs.group_rows(g, "m2po") for g in range(len(GROUP_SIZES))], M2_THRESHOLD
     )
     extra = 0
@@ -286,12 +245,12 @@ def test_areals_own_mask_would_have_cut_more_after_the_global_cut() -> None:
 
 
 def test_the_coordinator_gives_the_torch_backends_update(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: Results,
 ) -> None:
     for rank in (0, 1):
         run = results(2)[rank]
-        coordinator = _update(run["coordinator-token_mean"])
-        torch_backend = _update(run["global-token_mean-one"])
+        coordinator = checks.update(run["coordinator-token_mean"])
+        torch_backend = checks.update(run["global-token_mean-one"])
         assert all(torch.equal(coordinator[n], torch_backend[n]) for n in torch_backend)
         assert run["coordinator-token_mean"]["stats"]["lossreduce/m2po/kept"] == 54
 
@@ -329,7 +288,7 @@ def test_the_mask_in_one_process_is_the_reference() -> None:
     masked = global_mask(batch, M2PO_LOSS, M2_THRESHOLD, _one_process, 0)
     assert masked is not None
     want = torch.cat(
-        areal_runs.global_m2po_keep(
+        m2po_runs.global_m2po_keep(
             [areal_runs.group_rows(g, "m2po") for g in range(len(GROUP_SIZES))], M2_THRESHOLD
         )
     )  # [B, T]
@@ -382,29 +341,22 @@ def test_a_mask_without_prox_logp_or_an_unknown_loss_is_refused() -> None:
 
 
 def test_a_rank_without_active_tokens_takes_part(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: Results,
 ) -> None:
     one = results(1)[0]["masked-odd"]
     kept = _kept_per_group("m2po_masked_odd")
     assert sum(kept[g] for g in SHARDS[2][1]) == 0
+    checks.two_ranks_give_one(one, results(2), "masked-odd", same_on_ranks=False)
     for rank, result in enumerate(results(2)):
         got = result["masked-odd"]
-        assert _relative(_update(got), _update(one), one["initial"]) < 1e-6
         assert got["stats"]["lossreduce/m2po/kept"] == sum(kept)
         assert got["stats"]["n_valid_tokens"] == sum(kept[g] for g in SHARDS[2][rank])
 
 
-def _errors(results: Callable[[int], list[dict[str, Any]]], case: str) -> list[tuple[str, str]]:
-    per_rank = [r[case] for r in results(2)]
-    for result in per_rank:
-        assert result["untouched"], f"{case}: weights or optimizer state changed"
-    return [r.get("error", ("", "")) for r in per_rank]
-
-
 def test_a_nan_log_probability_is_named_on_every_rank(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: Results,
 ) -> None:
-    (kind0, msg0), (kind1, msg1) = _errors(results, "nan-prox")
+    (kind0, msg0), (kind1, msg1) = checks.errors(results(2), "nan-prox")
     assert kind0 == "InvalidPartialError", msg0
     assert "rank 0" in msg0, msg0
     assert "m2 value nan at row 0 position 2" in msg0, msg0
@@ -413,9 +365,9 @@ def test_a_nan_log_probability_is_named_on_every_rank(
 
 
 def test_an_inf_log_probability_is_named_on_every_rank_through_the_coordinator(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: Results,
 ) -> None:
-    (kind0, msg0), (kind1, msg1) = _errors(results, "inf-old")
+    (kind0, msg0), (kind1, msg1) = checks.errors(results(2), "inf-old")
     assert kind1 == "InvalidPartialError", msg1
     assert "rank 1" in msg1, msg1
     assert "m2 value inf" in msg1, msg1
@@ -424,11 +376,11 @@ def test_an_inf_log_probability_is_named_on_every_rank_through_the_coordinator(
 
 
 def test_every_token_masked_is_an_empty_step_on_every_rank(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: Results,
 ) -> None:
-    for kind, message in _errors(results, "all-cut-raise"):
+    for kind, message in checks.errors(results(2), "all-cut-raise"):
         assert kind == "EmptyNormalizerError", message
-    assert _errors(results, "all-cut-skip") == [("", ""), ("", "")]
+    assert checks.errors(results(2), "all-cut-skip") == [("", ""), ("", "")]
     for result in results(2):
         stats = result["all-cut-skip"]["stats"]
         assert stats["update_successful"] == 0.0

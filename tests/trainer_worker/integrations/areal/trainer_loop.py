@@ -127,7 +127,7 @@ def start_server(model: Path, port: int, seed: int, keep: Path, log: Path) -> Ro
     raise RuntimeError("the rollout server did not answer /health within 300 s")
 
 
-def run_loop(
+def torchrun_command(
     script: Path,
     work: Path,
     *,
@@ -136,12 +136,12 @@ def run_loop(
     server: str,
     master_port: int,
     env: dict[str, str],
-    ranks: int = 2,
-    overrides: tuple[str, ...] = (),
-    timeout_s: float = 600,
-) -> subprocess.CompletedProcess[str]:
-    """``torchrun`` of ``script`` on ``ranks`` ranks in AReaL's SPMD mode (``overrides``:
-    more ``key=value`` options for AReaL's config, e.g. the actor's backend)."""
+    ranks: int,
+    overrides: tuple[str, ...],
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a ``torchrun`` of ``script`` on ``ranks`` ranks in
+    AReaL's SPMD mode, run in ``work`` (its fileroot and name records go there); ``env``
+    is added last."""
     args = [
         sys.executable,
         "-m",
@@ -170,6 +170,35 @@ def run_loop(
         "PYTHONPATH": str(ROOT),
         **env,
     }
+    return args, full_env
+
+
+def run_loop(
+    script: Path,
+    work: Path,
+    *,
+    model: Path,
+    prompts: Path,
+    server: str,
+    master_port: int,
+    env: dict[str, str],
+    ranks: int = 2,
+    overrides: tuple[str, ...] = (),
+    timeout_s: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun`` of ``script`` on ``ranks`` ranks in AReaL's SPMD mode (``overrides``:
+    more ``key=value`` options for AReaL's config, e.g. the actor's backend)."""
+    args, full_env = torchrun_command(
+        script,
+        work,
+        model=model,
+        prompts=prompts,
+        server=server,
+        master_port=master_port,
+        env=env,
+        ranks=ranks,
+        overrides=overrides,
+    )
     return subprocess.run(
         args, cwd=work, env=full_env, capture_output=True, text=True, timeout=timeout_s, check=False
     )

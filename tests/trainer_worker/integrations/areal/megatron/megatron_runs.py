@@ -19,7 +19,6 @@ optimizer reduce-scatters its gradient buffers, which gloo does not implement.
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 from torch.multiprocessing.spawn import spawn
 
-from tests.trainer_worker.integrations.areal import areal_runs
+from tests.trainer_worker.integrations.areal import areal_runs, reference_runs
 from tests.trainer_worker.integrations.areal.areal_runs import (
     EPS_CLIP,
     LR,
@@ -157,24 +156,9 @@ def run_case(case: Case, model_dir: str, layout: str, rank: int) -> dict[str, An
     try:
         for _ in range(case.prelude):
             actor.ppo_update(shard_data(layout, rank))
-        before = full_params(actor)
-        state_before = optimizer_state(actor)
-        out: dict[str, Any] = {"initial": before}
-        started = time.perf_counter()
-        try:
-            out["stats"] = _update(actor, case, layout, rank)
-        except Exception as err:
-            out["error"] = (type(err).__name__, str(err))
-        out["seconds"] = time.perf_counter() - started
-        out["params"] = full_params(actor)
-        state_after = optimizer_state(actor)
-        out["untouched"] = (
-            all(torch.equal(out["params"][n], before[n]) for n in before)
-            and len(state_before) == len(state_after)
-            and all(torch.equal(a, b) for a, b in zip(state_before, state_after, strict=True))
+        return areal_runs.measure(
+            actor, lambda: _update(actor, case, layout, rank), full_params, optimizer_state
         )
-        out["skipped_steps"] = getattr(actor, "skipped_steps", None)
-        return out
     finally:
         actor.destroy()
 
@@ -182,49 +166,10 @@ def run_case(case: Case, model_dir: str, layout: str, rank: int) -> dict[str, An
 def _update(actor: Any, case: Case, layout: str, rank: int) -> dict[str, float]:
     """The measured step: AReaL's ``ppo_update`` (its stats), or ``train_batch`` with a
     bad ``loss_weight_fn`` on data-parallel rank 1 (the FSDP tests' bad weights)."""
-    import functools
-
-    from areal.trainer.ppo.actor import grpo_loss_fn
-    from areal.utils import stats_tracker
-    from areal.utils.data import concat_batch
-
-    data = shard_data(layout, rank, case.data)
-    if case.weight == "count":
-        stats_tracker.export(reset=True)
-        actor.ppo_update(data)
-        stats = stats_tracker.export(reset=True)
-        return {k.removeprefix("ppo_actor/update/"): float(v) for k, v in stats.items()}
-    batch, _ = concat_batch(data)
-    for key in ("rewards", "kl_rewards", "tot_rewards"):
-        batch.pop(key)
-    actor.train()
-    if case.impl == "lossreduce":
-        from lossreduce.trainer_worker.integrations.areal.plan import GROUP_KEY
-
-        batch[GROUP_KEY] = torch.cat(
-            [
-                torch.full(d["attention_mask"].shape, i, dtype=torch.int64)
-                for i, d in enumerate(data)
-            ]
-        )  # [B, T]
     _, tp, cp = LAYOUTS[layout]
     dp_rank = rank // (tp * cp)
-
-    def weight(x: dict[str, Any]) -> torch.Tensor:
-        count: torch.Tensor = x["loss_mask"].count_nonzero()
-        if dp_rank != 1:
-            return count
-        bad: torch.Tensor = areal_runs.BAD_WEIGHTS[case.weight](count)
-        return bad
-
-    return dict(
-        actor.train_batch(
-            batch,
-            loss_fn=functools.partial(
-                grpo_loss_fn, eps_clip=EPS_CLIP, eps_clip_higher=None, c_clip=None
-            ),
-            loss_weight_fn=weight,
-        )
+    return areal_runs.measured_step(
+        actor, case, shard_data(layout, rank, case.data), bad_rank=dp_rank == 1
     )
 
 
@@ -290,7 +235,9 @@ def run_rank(rank: int, job: Job) -> None:
                 results[case.name] = run_case(case, job.model_dir, job.layout, rank)
             if job.reference and rank == 0:
                 first = next(iter(results.values()))
-                results["reference"] = areal_runs.reference_updates(job.model_dir, first["initial"])
+                results["reference"] = reference_runs.reference_updates(
+                    job.model_dir, first["initial"]
+                )
         except Exception:
             results["crash"] = traceback.format_exc()
         torch.save(results, Path(job.out_dir) / f"rank{rank}.pt")

@@ -22,23 +22,24 @@ The fixture prints each layout's step time with and without lossreduce.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from lossreduce.ports import free_port
-from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from tests.conftest import TEST_SETTINGS
+from tests.trainer_worker.integrations.areal import actor_checks as checks
 from tests.trainer_worker.integrations.areal import areal_runs
+from tests.trainer_worker.integrations.areal.actor_checks import RankResults
 from tests.trainer_worker.integrations.areal.areal_runs import MODES, SEVERAL_PER_MB, Case
 from tests.trainer_worker.integrations.areal.megatron import megatron_runs
 from tests.trainer_worker.integrations.areal.megatron.megatron_runs import Job
 
-Results = Callable[[str], list[dict[str, Any]]]
+Results = Callable[[str], RankResults]
+
+TOLERANCE = 1e-5
+"""The relative error allowed between updates (Megatron's float32 kernels on CPU)."""
 
 ERRORS = [
     Case(name, data=data, weight=weight, on_empty_step=empty, optimizer="adamw", prelude=1)
@@ -79,64 +80,32 @@ def _cases(layout: str, target: str) -> list[Case]:
     return areal_runs.with_coordinator(cases, target)
 
 
-@pytest.fixture(scope="module")
-def coordinator_target() -> Iterator[str]:
-    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
-    yield thread.target
-    thread.stop()
+def _step_times(layout: str, ranks: RankResults) -> None:
+    """Prints the update step's cost, with and without lossreduce."""
+    if "stock-one" in ranks[0]:
+        ours, stock = ranks[0]["token_mean-one"], ranks[0]["stock-one"]
+        print(f"{layout} step: {ours['seconds']:.3f} s, stock {stock['seconds']:.3f} s")
 
 
 @pytest.fixture(scope="module")
 def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -> Results:
     """layout -> every rank's results (each layout run once per module)."""
     model_dir = megatron_runs.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
-    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def run(layout: str) -> RankResults:
+        return megatron_runs.run(
+            Job(
+                layout,
+                _cases(layout, coordinator_target),
+                str(model_dir),
+                str(tmp_path_factory.mktemp(layout)),
+                free_port(),
+                reference=layout == "dp1",
+            )
+        )
+
     root = Path(__file__).resolve().parents[5]
-
-    def get(layout: str) -> list[dict[str, Any]]:
-        if layout not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.syspath_prepend(str(root))  # spawned ranks import the run module
-                started = time.perf_counter()
-                cache[layout] = megatron_runs.run(
-                    Job(
-                        layout,
-                        _cases(layout, coordinator_target),
-                        str(model_dir),
-                        str(tmp_path_factory.mktemp(layout)),
-                        free_port(),
-                        reference=layout == "dp1",
-                    )
-                )
-                print(f"Megatron {layout}: {time.perf_counter() - started:.1f} s")
-                first = cache[layout][0]
-                if "stock-one" in first:  # the update step's cost, with and without lossreduce
-                    ours, stock = first["token_mean-one"], first["stock-one"]
-                    print(f"{layout} step: {ours['seconds']:.3f} s, stock {stock['seconds']:.3f} s")
-            for rank, result in enumerate(cache[layout]):
-                assert "crash" not in result, f"{layout} rank {rank}: {result['crash']}"
-        return cache[layout]
-
-    return get
-
-
-def _relative(
-    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor]
-) -> float:
-    """|got - want| / |want - start| over all parameters: the error relative to the update."""
-    assert sorted(got) == sorted(want)
-    num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
-    den = sum(float((want[n].double() - start[n].double()).pow(2).sum()) for n in want)
-    assert den > 0, "the reference step did not move the weights"
-    return float((num / den) ** 0.5)
-
-
-def _update(result: dict[str, Any]) -> dict[str, torch.Tensor]:
-    assert "init_error" not in result, result["init_error"][2]
-    assert "error" not in result, result["error"]
-    assert result["stats"]["update_successful"] == 1.0, result["stats"]
-    params: dict[str, torch.Tensor] = result["params"]
-    return params
+    return checks.cached_runs(run, root, "Megatron", _step_times)
 
 
 # -- the formulas, ranks, tensor parallelism -----------------------------------------------------
@@ -144,32 +113,30 @@ def _update(result: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_gives_the_formulas_update(results: Results, mode: str) -> None:
-    one = results("dp1")[0]
-    reference = one["reference"][mode]["params"]
-    got = _update(one[f"{mode}-one"])
-    assert _relative(got, reference, one[f"{mode}-one"]["initial"]) < 1e-5
+    checks.formula_update(results("dp1")[0], mode, TOLERANCE)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_two_data_parallel_ranks_give_one_ranks_update(results: Results, mode: str) -> None:
     one = results("dp1")[0][f"{mode}-one"]
-    for rank in (0, 1):
-        got = _update(results("dp2")[rank][f"{mode}-one"])
-        assert _relative(got, _update(one), one["initial"]) < 1e-5
+    checks.two_ranks_give_one(one, results("dp2"), f"{mode}-one", TOLERANCE, same_on_ranks=False)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tensor_parallel_2_gives_data_parallel_2s_update(results: Results, mode: str) -> None:
     two = results("dp2")[0][f"{mode}-one"]
-    for rank in (0, 1):
-        got = _update(results("tp2")[rank][f"{mode}-one"])
-        assert _relative(got, _update(two), two["initial"]) < 1e-5
+    checks.two_ranks_give_one(two, results("tp2"), f"{mode}-one", TOLERANCE, same_on_ranks=False)
 
 
 def test_prompt_groups_cut_into_packed_micro_batches(results: Results) -> None:
     one = results("dp1")[0]
-    got = _update(one["prompt_mean-several"])
-    assert _relative(got, _update(one["prompt_mean-one"]), one["prompt_mean-one"]["initial"]) < 1e-5
+    got = checks.update(one["prompt_mean-several"])
+    assert (
+        checks.relative(
+            got, checks.update(one["prompt_mean-one"]), one["prompt_mean-one"]["initial"]
+        )
+        < TOLERANCE
+    )
 
 
 def test_a_rank_without_active_tokens_still_takes_part(results: Results) -> None:
@@ -178,7 +145,9 @@ def test_a_rank_without_active_tokens_still_takes_part(results: Results) -> None
     for rank in (0, 1):
         result = results("dp2")[rank]["masked-odd"]
         assert result["stats"]["lossreduce/normalizer/pg"] == 3.0  # groups 0, 2, 4
-        assert _relative(_update(result), _update(one), one["initial"]) < 1e-5
+        assert (
+            checks.relative(checks.update(result), checks.update(one), one["initial"]) < TOLERANCE
+        )
 
 
 # -- the A/B against AReaL's own token mean ---------------------------------------------------------
@@ -188,7 +157,9 @@ def test_a_rank_without_active_tokens_still_takes_part(results: Results) -> None
 def test_token_mean_is_areals_own_update_and_grad_norm(results: Results, layout: str) -> None:
     for run in results(layout):
         ours, stock = run["token_mean-one"], run["stock-one"]
-        assert _relative(_update(ours), _update(stock), stock["initial"]) < 1e-5
+        assert (
+            checks.relative(checks.update(ours), checks.update(stock), stock["initial"]) < TOLERANCE
+        )
         assert ours["stats"]["grad_norm"] == pytest.approx(stock["stats"]["grad_norm"], rel=1e-5)
 
 
@@ -216,15 +187,8 @@ def test_each_rounds_normalizer_is_areals_own_count(results: Results, layout: st
 # -- failures: the same on every rank, no step taken ------------------------------------------------
 
 
-def _errors(results: Results, case: str) -> list[tuple[str, str]]:
-    per_rank = [r[case] for r in results("dp2")]
-    for result in per_rank:
-        assert result["untouched"], f"{case}: weights or optimizer state changed"
-    return [r.get("error", ("", "")) for r in per_rank]
-
-
 def test_inf_on_one_rank_is_named_on_every_rank(results: Results) -> None:
-    (kind0, msg0), (kind1, msg1) = _errors(results, "inf")
+    (kind0, msg0), (kind1, msg1) = checks.errors(results("dp2"), "inf")
     assert kind1 == "InvalidPartialError", msg1
     assert "rank 1" in msg1
     assert "'pg'=inf" in msg1
@@ -233,23 +197,23 @@ def test_inf_on_one_rank_is_named_on_every_rank(results: Results) -> None:
 
 
 def test_a_bad_weight_is_refused_through_the_coordinator(results: Results) -> None:
-    (kind0, msg0), (kind1, msg1) = _errors(results, "weight-seq_mean-coordinator")
+    (kind0, msg0), (kind1, msg1) = checks.errors(results("dp2"), "weight-seq_mean-coordinator")
     assert kind1 == "InvalidPartialError", msg1
     assert "step 0 rank 1" in msg1
     assert kind0 == "RoundAbortedError", msg0
 
 
 def test_a_nan_advantage_is_named_on_every_rank(results: Results) -> None:
-    (kind0, msg0), (kind1, msg1) = _errors(results, "nan-advantage")
+    (kind0, msg0), (kind1, msg1) = checks.errors(results("dp2"), "nan-advantage")
     assert kind0 == "InvalidPartialError", msg0
     assert "advantages is nan at active token (row 0, position 3)" in msg0
     assert kind1 == "RoundAbortedError", msg1
 
 
 def test_an_empty_step_raises_or_is_skipped_on_every_rank(results: Results) -> None:
-    for kind, message in _errors(results, "empty-raise"):
+    for kind, message in checks.errors(results("dp2"), "empty-raise"):
         assert kind == "EmptyNormalizerError", message
-    assert _errors(results, "empty-skip") == [("", ""), ("", "")]
+    assert checks.errors(results("dp2"), "empty-skip") == [("", ""), ("", "")]
     for rank in (0, 1):
         assert results("dp2")[rank]["empty-skip"]["skipped_steps"] == 1
 
@@ -257,8 +221,8 @@ def test_an_empty_step_raises_or_is_skipped_on_every_rank(results: Results) -> N
 def test_the_coordinator_gives_the_torch_backends_update_bit_for_bit(results: Results) -> None:
     for run in results("dp2"):
         coordinator, torch_backend = (
-            _update(run["coordinator-prompt_mean"]),
-            _update(run["prompt_mean-one"]),
+            checks.update(run["coordinator-prompt_mean"]),
+            checks.update(run["prompt_mean-one"]),
         )
         assert all(torch.equal(coordinator[n], torch_backend[n]) for n in torch_backend)
 
@@ -278,7 +242,7 @@ def test_a_teacher_in_token_mean_is_areals_update(results: Results) -> None:
     run = results("dp1")[0]
     ours, stock = run["teacher-token_mean"], run["stock-teacher"]
     assert "lossreduce/normalizer/distill" in ours["stats"], sorted(ours["stats"])
-    assert _relative(_update(ours), _update(stock), stock["initial"]) < 1e-5
+    assert checks.relative(checks.update(ours), checks.update(stock), stock["initial"]) < TOLERANCE
 
 
 # -- context parallelism ----------------------------------------------------------------------------
