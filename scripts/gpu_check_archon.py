@@ -84,21 +84,7 @@ def main() -> None:
     assert torch.cuda.is_available(), "no CUDA device"
     out = Path(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        model = trainer_loop.save_policy(root / "model")
-        prompts = trainer_loop.save_prompts(root / "prompts.jsonl")
-        runs: dict[str, Run] = {}
-        for name in ("lossreduce", "stock"):
-            (root / name).mkdir()
-            runs[name] = launch(name == "stock", root / name, model, prompts)
-        ours = torch.load(root / "lossreduce" / "received" / "v1.pt")
-        theirs = torch.load(root / "stock" / "received" / "v1.pt")
-        from transformers import AutoModelForCausalLM
-
-        start = AutoModelForCausalLM.from_pretrained(model).state_dict()
-        diff = sum(float((ours[n].double() - theirs[n].double()).pow(2).sum()) for n in ours)
-        moved = sum(float((theirs[n].double() - start[n].double()).pow(2).sum()) for n in ours)
-        relative = (diff / moved) ** 0.5
+        runs, relative = trainer_loop.first_update_ab(Path(tmp), launch)
     summary = {name: asdict(run) for name, run in runs.items()}
     out.write_text(json.dumps({**summary, "first_update_relative_difference": relative}, indent=2))
     ours_run, stock_run = runs["lossreduce"], runs["stock"]

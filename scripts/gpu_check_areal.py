@@ -48,21 +48,8 @@ def main() -> None:
     assert torch.cuda.is_available(), "no CUDA device"
     out = Path(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        model = trainer_loop.save_policy(root / "model")
-        prompts = trainer_loop.save_prompts(root / "prompts.jsonl")
-        runs = {}
-        for name in ("lossreduce", "stock"):
-            (root / name).mkdir()
-            runs[name] = launch(name == "stock", root / name, model, prompts)
-        ours = torch.load(root / "lossreduce" / "received" / "v1.pt")
-        theirs = torch.load(root / "stock" / "received" / "v1.pt")
-        from transformers import AutoModelForCausalLM
-
-        start = AutoModelForCausalLM.from_pretrained(model).state_dict()
-        diff = sum(float((ours[n].double() - theirs[n].double()).pow(2).sum()) for n in ours)
-        moved = sum(float((theirs[n].double() - start[n].double()).pow(2).sum()) for n in ours)
-        summary = {**runs, "first_update_relative_difference": (diff / moved) ** 0.5}
+        runs, relative = trainer_loop.first_update_ab(Path(tmp), launch)
+    summary = {**runs, "first_update_relative_difference": relative}
     out.write_text(json.dumps(summary, indent=2))
     ok = (
         runs["lossreduce"]["versions"] == [1, 2, 3]

@@ -56,8 +56,11 @@ class SupportsReduce(Protocol):
 
 @runtime_checkable
 class SupportsClaim(Protocol):
-    """A client that can claim its (job, group) before the first round
+    """A client that can claim its (job, group) for its run before the first round
     (:meth:`lossreduce.client.ReductionClient.claim`)."""
+
+    @property
+    def run(self) -> str: ...
 
     def claim(self, step: int = 0) -> bool: ...
 
@@ -124,7 +127,7 @@ class CoordinatorNormalizer(_Backend):
         returns False.
         """
         client = self.client
-        if not isinstance(client, SupportsClaim) or not getattr(client, "run", ""):
+        if not isinstance(client, SupportsClaim) or not client.run:
             return False
         return client.claim(step)
 

@@ -249,3 +249,24 @@ def launch(
         int(p.stem[1:]): torch.load(p, weights_only=True) for p in sorted(keep.glob("v*.pt"))
     }
     return Launched(done, log, weights)
+
+
+def first_update_ab(root: Path, launch_one: Any) -> tuple[dict[str, Any], float]:
+    """The GPU checks' A/B: a policy and prompts under ``root``, ``launch_one(stock, work,
+    model, prompts)`` once with lossreduce and once stock, and the first update's
+    difference between the two relative to the update (weights the server received)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = save_policy(root / "model")
+    prompts = save_prompts(root / "prompts.jsonl")
+    runs: dict[str, Any] = {}
+    for name in ("lossreduce", "stock"):
+        (root / name).mkdir()
+        runs[name] = launch_one(name == "stock", root / name, model, prompts)
+    ours = torch.load(root / "lossreduce" / "received" / "v1.pt")
+    theirs = torch.load(root / "stock" / "received" / "v1.pt")
+    start = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    diff = sum(float((ours[n].double() - theirs[n].double()).pow(2).sum()) for n in ours)
+    moved = sum(float((theirs[n].double() - start[n].double()).pow(2).sum()) for n in ours)
+    return runs, (diff / moved) ** 0.5
