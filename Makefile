@@ -139,9 +139,8 @@ test-areal: $(AREAL_VENV)/.installed
 # 0.17.0 and mbridge 0.15.1, and megatron-bridge 0.4.0 without its dependencies: AReaL's
 # `[megatron]` extra does not resolve (areal pins hydra-core 1.4.0.dev1, megatron-bridge
 # needs <=1.3.2) and megatron-bridge's CUDA-only dependencies (transformer-engine, mamba-ssm)
-# do not build on CPU; docs/frameworks/areal.md says what that changes. Not part of
-# `make test` yet: its build downloads several GB and its suite takes 7-12 minutes on 2
-# cores, beyond what CI's time allows beside the rest.
+# do not build on CPU; docs/frameworks/areal.md says what that changes. On 2 quiet
+# cores its build takes about 3 minutes and its suite 2 to 4.
 MEGATRON_VENV   := .venv-megatron
 MEGATRON_PY     := $(MEGATRON_VENV)/bin/python
 MEGATRON_PYTHON ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12) python3.12)
@@ -211,7 +210,7 @@ test-resolve: $(VENV)/.installed-dev
 # suite.
 test: lint docs typecheck
 	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-resolve
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal test-matrix
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal test-matrix test-megatron
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
@@ -221,4 +220,4 @@ bench: $(VENV)/.installed
 	$(BIN)/lossreduce bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(AREAL_VENV) .venv-floor .venv-ceiling build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(AREAL_VENV) $(MEGATRON_VENV) .venv-floor .venv-ceiling build *.egg-info .mypy_cache .ruff_cache .hypothesis

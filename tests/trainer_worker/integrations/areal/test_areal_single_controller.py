@@ -4,13 +4,15 @@
 and no ``torchrun`` (``single_controller.py``): the controller's local scheduler starts
 two RPC workers that build ``LossReduceFSDPPPOActor`` by its import path (gloo,
 ``fsdp:d2``) and a rollout worker whose vLLM launch starts the CPU rollout server
-(``cpu_vllm_server.py``), then runs AReaL's trainer loop for 3 steps. The workers get
+(``cpu_vllm_server.py``), then runs AReaL's trainer loop for 3 steps. The same launch
+runs with ``actor.backend=archon:d2`` and Archon's CPU settings, whose workers build
+``LossReduceArchonPPOActor``. The workers get
 the ``LOSSREDUCE_*`` settings from the environment the scheduler gives them: the mode,
 normalizer and coordinator from the controller's environment, which they inherit, and
 the job name only from the actor's ``scheduling_spec`` ``env_vars``. The coordinator runs
 in this process; its rounds show what the workers used.
 
-One launch, 2 to 4 minutes on 2 cores (most of it the workers' start).
+One launch per engine, 2 to 4 minutes each on 2 cores (most of it the workers' start).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.trainer_worker.integrations.areal.actor import ROUNDS_PER_VERSION
+from lossreduce.trainer_worker.integrations.areal.archon_cpu import ARCHON_CPU_OVERRIDES
 from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.areal import single_controller, trainer_loop
 
@@ -34,17 +37,26 @@ WORKERS = 2  # actor.backend fsdp:d2
 JOB = "areal-single-controller"
 DIVISOR = 16  # constant's length budget: a contract a default setting would not give
 DOCS = trainer_loop.ROOT / "docs" / "frameworks" / "areal.md"
+# engine -> (the actor class its workers build, the launch's overrides)
+ENGINES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fsdp": ("LossReduceFSDPPPOActor", ()),
+    "archon": ("LossReduceArchonPPOActor", ("actor.backend=archon:d2", *ARCHON_CPU_OVERRIDES)),
+}
 
 
 @dataclass
 class Launch:
+    engine: str
     run: single_controller.ControllerRun
     rounds: list[Any]  # every round the coordinator held, of any job
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
-    folder = tmp_path_factory.mktemp("single-controller")
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def launch(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Launch]:
+    engine: str = request.param
+    folder = tmp_path_factory.mktemp(f"single-controller-{engine}")
     model = trainer_loop.save_policy(folder / "model")
     prompts = trainer_loop.save_prompts(folder / "prompts.jsonl")
     thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
@@ -60,10 +72,13 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
                 "LOSSREDUCE_COORDINATOR": thread.target,
             },
             # The actor's workers alone get the job name, from the scheduler's spec.
-            overrides=(f"+actor.scheduling_spec.0.env_vars.LOSSREDUCE_JOB={JOB}",),
+            overrides=(
+                f"+actor.scheduling_spec.0.env_vars.LOSSREDUCE_JOB={JOB}",
+                *ENGINES[engine][1],
+            ),
             timeout_s=480,
         )
-        yield Launch(run, list(thread.coordinator.table.rounds()))
+        yield Launch(engine, run, list(thread.coordinator.table.rounds()))
     finally:
         thread.stop()
 
@@ -83,7 +98,7 @@ def test_the_controller_runs_areals_loop_through_its_scheduler(launch: Launch) -
     for rank in range(WORKERS):
         assert (
             f"Engine 'actor/{rank}' (class: lossreduce.trainer_worker.integrations.areal"
-            ".actors.LossReduceFSDPPPOActor) instantiated" in actor_log
+            f".actors.{ENGINES[launch.engine][0]}) instantiated" in actor_log
         )
     # The rollout worker launched the server by vLLM's command line, and that was ours.
     rollout_log = run.worker_logs["rollout"]
