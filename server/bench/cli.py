@@ -164,7 +164,9 @@ class BenchSettings(BaseModel):
         default=False,
         description="Also compare a `lossreduce train` step with --normalizer coordinator "
         "against --normalizer torch (runs training in ABBA order), and a TRL GRPO step with "
-        "lossreduce's normalizers against TRL's own dapo (skipped without lossreduce[trl]).",
+        "lossreduce's normalizers against TRL's own dapo (skipped without lossreduce[trl]), "
+        "verl's actor step and AReaL's PPO update for each of its engines that is installed "
+        "(FSDP, Archon, Megatron), each against the framework's own.",
     )
     e2e_main_ppo: bool = Field(
         default=True,

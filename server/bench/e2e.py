@@ -15,7 +15,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lossreduce.trainer_worker.integrations.areal.bench import ArealBenchSettings
 
 __all__ = [
     "TRL_TARGET_RATIO",
@@ -210,14 +213,42 @@ def run_verl_main_ppo_e2e() -> dict[str, float | int | bool] | None:
     }
 
 
-def run_areal_e2e() -> dict[str, float | int | bool] | None:
-    """AReaL's PPO update with LossReduceFSDPPPOActor vs AReaL's own FSDPPPOActor
-    (median over steps, ABBA order, one process): the ratio and whether it meets
-    :data:`TRL_TARGET_RATIO` (the same 1.03); None, said in one line, where AReaL
-    is not installed (it has an environment of its own: docs/frameworks/areal.md)."""
+def run_areal_e2e(
+    workload: ArealBenchSettings | None = None,
+) -> dict[str, dict[str, float | int | bool]] | None:
+    """AReaL's PPO update with the LossReduce actor vs AReaL's own, for each of AReaL's
+    engines that is installed (median over steps, ABBA order, one process; ``workload``
+    for all of them, its ``engine`` replaced): each engine's ratio and whether it meets
+    :data:`TRL_TARGET_RATIO` (the same 1.03); None, said in one line, where AReaL is not
+    installed (it has an environment of its own: docs/frameworks/areal.md)."""
     try:
-        from lossreduce.trainer_worker.integrations.areal.bench import run_areal_bench
+        from lossreduce.trainer_worker.integrations.areal.bench import (
+            ENGINES,
+            ArealBenchSettings,
+            run_areal_bench,
+        )
     except ImportError as err:
         print(f"  AReaL step: skipped ({err})", flush=True)
         return None
-    return _framework_step("AReaL", "AReaL", "areal", run_areal_bench())
+    workload = workload or ArealBenchSettings()
+    results: dict[str, dict[str, float | int | bool]] = {}
+    for engine in ENGINES:
+        if engine == "megatron" and not _megatron_installed():
+            print(
+                "  AReaL megatron step: skipped (needs AReaL's [megatron] packages, "
+                "megatron-core and mbridge: docs/frameworks/areal.md)",
+                flush=True,
+            )
+            continue
+        result = run_areal_bench(workload.model_copy(update={"engine": engine}))
+        results[engine] = _framework_step(f"AReaL {engine}", "AReaL", "areal", result)
+    return results
+
+
+def _megatron_installed() -> bool:
+    import importlib.util
+
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("megatron.core", "mbridge"))
+    except ModuleNotFoundError:  # no `megatron` package at all
+        return False

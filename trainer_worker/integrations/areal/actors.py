@@ -14,10 +14,16 @@ from typing import Any
 from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.experimental.engine.archon_engine import ArchonPPOActor
 
+from lossreduce.errors import ReductionConfigError
 from lossreduce.trainer_worker.integrations.areal.actor import LossReduceActorMixin
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
 
-__all__ = ["LossReduceArchonPPOActor", "LossReduceFSDPPPOActor", "lossreduce_actor"]
+__all__ = [
+    "LossReduceArchonPPOActor",
+    "LossReduceFSDPPPOActor",
+    "areal_actor_class",
+    "lossreduce_actor",
+]
 
 
 class LossReduceFSDPPPOActor(LossReduceActorMixin, FSDPPPOActor):  # type: ignore[misc]
@@ -54,3 +60,26 @@ def lossreduce_actor(actor_cls: type[Any]) -> type[Any]:
         return _TESTED[actor_cls]
     name = f"LossReduce{actor_cls.__name__}"
     return type(name, (LossReduceActorMixin, actor_cls), {"__module__": __name__})
+
+
+def areal_actor_class(backend: str) -> type[Any]:
+    """AReaL's own PPO actor class for the engine part of ``actor.backend`` (``fsdp``,
+    ``megatron`` or ``archon``); Megatron's is imported only when asked for, since it
+    needs AReaL's ``[megatron]`` packages.
+
+    Raises ReductionConfigError naming ``backend`` for any other engine.
+    """
+    actor_cls: type[Any]
+    if backend == "fsdp":
+        actor_cls = FSDPPPOActor
+    elif backend == "archon":
+        actor_cls = ArchonPPOActor
+    elif backend == "megatron":
+        from areal.engine.megatron_engine import MegatronPPOActor
+
+        actor_cls = MegatronPPOActor
+    else:
+        raise ReductionConfigError(
+            f"AReaL actor.backend {backend!r} is not one of fsdp, megatron, archon"
+        )
+    return actor_cls

@@ -1,12 +1,16 @@
 """What lossreduce's normalizers cost inside AReaL's PPO update.
 
-Times ``ppo_update`` of :class:`LossReduceFSDPPPOActor` (``token_mean``, the
-torch backend) against the same update of AReaL's own ``FSDPPPOActor``, on one
+Times ``ppo_update`` of the LossReduce actor (``token_mean``, the torch
+backend) against the same update of AReaL's own actor, for one of AReaL's
+engines (:attr:`ArealBenchSettings.engine`: FSDP, Archon or Megatron), on one
 process (gloo), a small Qwen2 built in code and a fixed batch of uneven prompt
 groups, so that the measured step is the training work alone, where a fixed
-overhead shows most. Both actors live in the same process from the same seed;
-runs alternate ABBA so drift (thermal, other load) hits both alike; the first
-step of each run is dropped as warm-up and the medians are compared.
+overhead shows most. Both actors live in the same process, loaded from the
+same weights; runs alternate ABBA so drift (thermal, other load) hits both
+alike; the first step of each run is dropped as warm-up and the medians are
+compared. Without CUDA, Archon runs with its CPU settings
+(:func:`.archon_cpu.archon_cpu_config`) and Megatron on the CPU platform of
+:mod:`.megatron_cpu`, as the tests run them.
 
 With ``m2_threshold`` set the same run also times both actors with AReaL's
 M2PO on (``use_decoupled_loss``, a ``prox_logp`` that drifted from the
@@ -18,13 +22,15 @@ the cut-off's own time and rounds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -33,7 +39,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from lossreduce.ports import free_port
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
 
-__all__ = ["ArealBenchResult", "ArealBenchSettings", "M2POBenchResult", "run_areal_bench"]
+__all__ = [
+    "ENGINES",
+    "ArealBenchResult",
+    "ArealBenchSettings",
+    "M2POBenchResult",
+    "run_areal_bench",
+]
+
+ArealEngine = Literal["fsdp", "archon", "megatron"]
+ENGINES: tuple[ArealEngine, ...] = ("fsdp", "archon", "megatron")
+"""AReaL's training engines the bench can time, in its report's order."""
 
 
 class ArealBenchSettings(BaseModel):
@@ -41,6 +57,12 @@ class ArealBenchSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    engine: ArealEngine = Field(
+        default="fsdp",
+        description="AReaL's training engine of both actors: fsdp (FSDPPPOActor), archon "
+        "(ArchonPPOActor) or megatron (MegatronPPOActor, which needs AReaL's [megatron] "
+        "packages).",
+    )
     steps: int = Field(
         default=8, ge=2, description="ppo_update calls per run (the first is warm-up)."
     )
@@ -112,7 +134,7 @@ class ArealBenchResult:
 
 def _save_model(settings: ArealBenchSettings, folder: Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     words = [f"w{i}" for i in range(settings.vocab_size)]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="w2"))
@@ -120,19 +142,24 @@ def _save_model(settings: ArealBenchSettings, folder: Path) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1").save_pretrained(
         folder
     )
-    Qwen2Config(
+    config = Qwen2Config(
         vocab_size=settings.vocab_size,
         hidden_size=settings.hidden_size,
         intermediate_size=2 * settings.hidden_size,
         num_hidden_layers=settings.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2 * settings.max_length,
+        # Archon on CPU pads each micro-batch to its token budget, positions included.
+        max_position_embeddings=max(2 * settings.max_length, settings.max_tokens_per_mb),
         tie_word_embeddings=False,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=1,
-    ).save_pretrained(folder)
+    )
+    # Weights on disk, loaded by every actor: Megatron always loads from the path, and
+    # the same seed gives other weights through Archon's sharded initialization.
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
     return str(folder)
 
 
@@ -169,36 +196,80 @@ def _batch(settings: ArealBenchSettings) -> list[dict[str, torch.Tensor]]:
 
 
 def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings, m2po: bool) -> Any:
+    from areal.api.alloc_mode import ParallelStrategy
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
     from areal.api.io_struct import FinetuneSpec
-    from areal.engine.fsdp_engine import FSDPPPOActor
 
-    from lossreduce.trainer_worker.integrations.areal.actors import LossReduceFSDPPPOActor
+    from lossreduce.trainer_worker.integrations.areal.actors import (
+        areal_actor_class,
+        lossreduce_actor,
+    )
 
     config = PPOActorConfig(
         experiment_name="lossreduce-bench",
         trial_name=("lossreduce" if lossreduce else "areal") + ("-m2po" if m2po else ""),
         path=model_dir,
-        init_from_scratch=True,
+        init_from_scratch=False,
         dtype="float32",
         attn_impl="sdpa",
         optimizer=OptimizerConfig(lr=1e-5, lr_scheduler_type="constant"),
         mb_spec=MicroBatchSpec(max_tokens_per_mb=settings.max_tokens_per_mb),
-        backend="fsdp:d1",
+        backend=f"{settings.engine}:d1",
         ppo_n_minibatches=1,
     )
     if m2po:
         config.m2_threshold = settings.m2_threshold
         config.use_decoupled_loss = True
+    if settings.engine == "archon" and not torch.cuda.is_available():
+        from lossreduce.trainer_worker.integrations.areal.archon_cpu import archon_cpu_config
+
+        archon_cpu_config(config)
+    if settings.engine == "megatron":
+        from areal.api.cli_args import DistributedDataParallelConfig, MegatronEngineConfig
+
+        config.megatron = MegatronEngineConfig(
+            ddp=DistributedDataParallelConfig(use_distributed_optimizer=True)
+        )
+    stock: Any = areal_actor_class(settings.engine)
     actor = (
-        LossReduceFSDPPPOActor(config, reduction=ArealReductionSettings(job="areal-bench"))
+        lossreduce_actor(stock)(config, reduction=ArealReductionSettings(job="areal-bench"))
         if lossreduce
-        else FSDPPPOActor(config)
+        else stock(config)
     )
-    actor.create_process_group()
+    actor.create_process_group(ParallelStrategy(data_parallel_size=1))
     torch.manual_seed(0)
     actor.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=8))
     return actor
+
+
+@contextlib.contextmanager
+def _platform(engine: ArealEngine) -> Iterator[None]:
+    """Where Megatron runs: its model-parallel state over the bench's one-process group
+    (the engine makes it only with a group of its own), on the CPU platform of
+    :mod:`.megatron_cpu` when there is no CUDA."""
+    if engine != "megatron":
+        yield
+        return
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    from lossreduce.trainer_worker.integrations.areal import megatron_compat
+
+    platform: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if torch.cuda.is_available():
+        megatron_compat.install()
+    else:
+        from lossreduce.trainer_worker.integrations.areal import megatron_cpu
+
+        megatron_cpu.install()
+        platform = megatron_cpu.CudaToCpu()
+    with platform:
+        mpu.initialize_model_parallel(order="tp-cp-ep-dp-pp")
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            yield
+        finally:
+            mpu.destroy_model_parallel()
 
 
 _CUT = "ppo_actor/update/lossreduce/m2po/"
@@ -221,7 +292,8 @@ def _run(
 
 
 def run_areal_bench(settings: ArealBenchSettings | None = None) -> ArealBenchResult:
-    """Median ``ppo_update`` time of LossReduceFSDPPPOActor vs AReaL's FSDPPPOActor, ABBA."""
+    """Median ``ppo_update`` time of the LossReduce actor vs AReaL's own, for
+    ``settings.engine``, ABBA."""
     settings = settings or ArealBenchSettings()
     for key, value in {
         "MASTER_ADDR": "127.0.0.1",
@@ -244,7 +316,10 @@ def run_areal_bench(settings: ArealBenchSettings | None = None) -> ArealBenchRes
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
-        with tempfile.TemporaryDirectory(prefix="lossreduce-areal-bench-") as folder:
+        with (
+            _platform(settings.engine),
+            tempfile.TemporaryDirectory(prefix="lossreduce-areal-bench-") as folder,
+        ):
             model_dir = _save_model(settings, Path(folder))
             actors = {kind: _actor(kind[0], model_dir, settings, kind[1]) for kind in kinds}
             data = _batch(settings)

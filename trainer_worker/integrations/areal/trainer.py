@@ -14,7 +14,10 @@ from areal.utils.environ import is_single_controller
 
 from lossreduce.errors import LossReduceError, ReductionConfigError
 from lossreduce.trainer_worker.integrations.areal.actor import refuse_unsupported
-from lossreduce.trainer_worker.integrations.areal.actors import lossreduce_actor
+from lossreduce.trainer_worker.integrations.areal.actors import (
+    areal_actor_class,
+    lossreduce_actor,
+)
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
 from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
@@ -104,29 +107,11 @@ class LossReducePPOTrainer(PPOTrainer):  # type: ignore[misc]
         if actor_config is not self.config.actor:
             return super()._create_train_engine(actor_config, alloc)
         # Build AReaL's choice of class for this backend, then its LossReduce version.
-        actor_cls = _actor_class(alloc.backend)
+        stock: Any = areal_actor_class(alloc.backend)
+        actor_cls = lossreduce_actor(stock)
         if is_single_controller():
             actor = actor_cls.as_controller(actor_config, self.scheduler)
         else:
             actor = actor_cls(config=actor_config, reduction=self.reduction_settings)
         actor.create_process_group(parallel_strategy=alloc.parallel)
         return actor
-
-
-def _actor_class(backend: str) -> type[Any]:
-    """The LossReduce version of AReaL's actor class for ``backend``."""
-    if backend == "fsdp":
-        from areal.engine import FSDPPPOActor
-
-        return lossreduce_actor(FSDPPPOActor)
-    if backend == "megatron":
-        from areal.engine import MegatronPPOActor
-
-        return lossreduce_actor(MegatronPPOActor)
-    if backend == "archon":
-        from areal.experimental.engine.archon_engine import ArchonPPOActor
-
-        return lossreduce_actor(ArchonPPOActor)
-    raise ReductionConfigError(
-        f"LossReducePPOTrainer: backend {backend!r} is not one of fsdp, megatron, archon"
-    )

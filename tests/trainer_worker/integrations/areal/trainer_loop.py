@@ -1,5 +1,7 @@
-"""What ``test_areal_trainer_loop.py`` launches: a model folder, a prompt file, the rollout
-server and ``torchrun`` over ``grpo_launch.py`` (stock or LossReduce).
+"""What the trainer-loop tests (``test_areal_trainer_loop.py``, and
+``megatron/test_megatron_trainer_loop.py``) launch, and the checks they share: a model
+folder, a prompt file, the rollout server and ``torchrun`` over ``grpo_launch.py``
+(stock or LossReduce).
 
 Each launch is AReaL's SPMD mode as its local launcher sets it up
 (``AREAL_SPMD_MODE=1``, ``AREAL_LLM_SERVER_ADDRS``), with ``torchrun`` run
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -64,6 +67,11 @@ def save_prompts(path: Path) -> Path:
             }
             out.write(json.dumps(row) + "\n")
     return path
+
+
+def save_inputs(folder: Path) -> tuple[Path, Path]:
+    """A launch's policy (``folder/model``) and prompts (``folder/prompts.jsonl``)."""
+    return save_policy(folder / "model"), save_prompts(folder / "prompts.jsonl")
 
 
 def launch_script(folder: Path, stock: bool) -> Path:
@@ -138,10 +146,12 @@ def torchrun_command(
     env: dict[str, str],
     ranks: int,
     overrides: tuple[str, ...],
+    wrapper: Path | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of a ``torchrun`` of ``script`` on ``ranks`` ranks in
     AReaL's SPMD mode, run in ``work`` (its fileroot and name records go there); ``env``
-    is added last."""
+    is added last. With a ``wrapper``, torchrun runs ``wrapper script ...`` (a rank's
+    set-up before the script, e.g. a test platform)."""
     args = [
         sys.executable,
         "-m",
@@ -150,6 +160,7 @@ def torchrun_command(
         f"--nproc-per-node={ranks}",
         "--master-addr=127.0.0.1",
         f"--master-port={master_port}",
+        *([str(wrapper)] if wrapper is not None else []),
         str(script),
         "--config",
         str(CONFIG),
@@ -185,9 +196,11 @@ def run_loop(
     ranks: int = 2,
     overrides: tuple[str, ...] = (),
     timeout_s: float = 600,
+    wrapper: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``torchrun`` of ``script`` on ``ranks`` ranks in AReaL's SPMD mode (``overrides``:
-    more ``key=value`` options for AReaL's config, e.g. the actor's backend)."""
+    more ``key=value`` options for AReaL's config, e.g. the actor's backend; ``wrapper``:
+    see :func:`torchrun_command`)."""
     args, full_env = torchrun_command(
         script,
         work,
@@ -198,6 +211,7 @@ def run_loop(
         env=env,
         ranks=ranks,
         overrides=overrides,
+        wrapper=wrapper,
     )
     return subprocess.run(
         args, cwd=work, env=full_env, capture_output=True, text=True, timeout=timeout_s, check=False
@@ -222,8 +236,10 @@ def launch(
     env: dict[str, str],
     ranks: int = 2,
     overrides: tuple[str, ...] = (),
+    wrapper: Path | None = None,
 ) -> Launched:
-    """``grpo_launch.py`` (stock or LossReduce) against a fresh rollout server, in ``work``."""
+    """``grpo_launch.py`` (stock or LossReduce) against a fresh rollout server, in ``work``
+    (``wrapper``: see :func:`torchrun_command`)."""
     import torch
 
     from lossreduce.ports import free_port
@@ -241,6 +257,7 @@ def launch(
             env=env,
             ranks=ranks,
             overrides=overrides,
+            wrapper=wrapper,
         )
         log = server.log()
     finally:
@@ -270,3 +287,169 @@ def first_update_ab(root: Path, launch_one: Any) -> tuple[dict[str, Any], float]
     diff = sum(float((ours[n].double() - theirs[n].double()).pow(2).sum()) for n in ours)
     moved = sum(float((theirs[n].double() - start[n].double()).pow(2).sum()) for n in ours)
     return runs, (diff / moved) ** 0.5
+
+
+# -- the checks every engine's trainer loop runs -------------------------------------------------
+
+STEPS = 3  # grpo_loop.yaml's total_train_steps
+BATCH = 4  # prompts per step (train_dataset.batch_size)
+SAMPLES = 2  # gconfig.n_samples
+JOB = "areal-loop"
+SGD_LR = 0.1
+AB_OVERRIDES = (
+    "actor.optimizer.gradient_clipping=1.0e9",  # never reached: clipping off
+    # A prompt is 3 tokens and a response 1 to 4, so two sequences never fit in 7.
+    "actor.mb_spec.max_tokens_per_mb=7",
+)
+"""The A/B's options besides the optimizer (each engine's SGD): clipping off, and one
+sequence per micro-batch, because on CPU packed micro-batches make stock AReaL differ
+from itself."""
+
+
+@dataclass
+class LoopRun:
+    """One launch as the checks see it."""
+
+    stdout: str
+    server_log: dict[str, Any]
+    weights: dict[int, dict[str, Any]]  # version -> what the server received
+    rounds: list[Any]  # the coordinator's rounds of the job (LossReduce only)
+
+    def logged(self, key: str) -> list[float]:
+        """Every value AReaL's stats table printed for ``key`` (one per step), as printed
+        (``.4e``: 5 significant digits)."""
+        pattern = rf"│ {re.escape(key)}\s+│\s*([0-9.e+-]+|nan|inf)"
+        return [float(v) for v in re.findall(pattern, self.stdout)]
+
+
+def _checked_launch(
+    stock: bool,
+    policy: tuple[Path, Path],
+    work: Path,
+    *,
+    env: dict[str, str],
+    overrides: tuple[str, ...],
+    wrapper: Path | None,
+) -> Launched:
+    model, prompts = policy
+    run = launch(
+        stock, work, model=model, prompts=prompts, env=env, overrides=overrides, wrapper=wrapper
+    )
+    assert run.done.returncode == 0, f"{run.done.stdout[-4000:]}\n{run.done.stderr[-6000:]}"
+    return run
+
+
+def lossreduce_loop(
+    policy: tuple[Path, Path],
+    work: Path,
+    overrides: tuple[str, ...],
+    wrapper: Path | None = None,
+) -> LoopRun:
+    """``grpo_launch.py`` for ``STEPS`` steps, ``token_mean`` with the normalizers from a
+    coordinator of its own (``policy``: the model folder and the prompt file)."""
+    from lossreduce.server import CoordinatorSettings, CoordinatorThread
+    from tests.conftest import TEST_SETTINGS
+
+    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
+    try:
+        env = {
+            "LOSSREDUCE_MODE": "token_mean",
+            "LOSSREDUCE_NORMALIZER": "coordinator",
+            "LOSSREDUCE_COORDINATOR": thread.target,
+            "LOSSREDUCE_JOB": JOB,
+        }
+        run = _checked_launch(False, policy, work, env=env, overrides=overrides, wrapper=wrapper)
+        rounds = list(thread.coordinator.table.rounds(JOB))
+    finally:
+        thread.stop()
+    return LoopRun(run.done.stdout, run.server_log, run.weights, rounds)
+
+
+def stock_loop(
+    policy: tuple[Path, Path],
+    work: Path,
+    overrides: tuple[str, ...],
+    wrapper: Path | None = None,
+) -> LoopRun:
+    """The same launch with AReaL's own ``PPOTrainer``, for one step: the comparison
+    needs the first update only."""
+    run = _checked_launch(
+        True, policy, work, env={}, overrides=(*overrides, "total_train_steps=1"), wrapper=wrapper
+    )
+    return LoopRun(run.done.stdout, run.server_log, run.weights, [])
+
+
+def _normalizers(rnd: Any) -> dict[str, float]:
+    return {v.term: v.value for v in rnd.outcome.normalizers}
+
+
+def check_loop_ran(run: LoopRun) -> None:
+    """AReaL's loop finished its ``STEPS`` steps against the rollout server."""
+    assert "Training completes" in run.stdout
+    log = run.server_log
+    # Every step's responses came from the server, and every step's weights went back.
+    # AReaL's rollout may start the next step's prompts before the run ends.
+    assert STEPS * BATCH * SAMPLES <= log["completions"] <= (STEPS + 1) * BATCH * SAMPLES
+    assert log["versions"] == list(range(1, STEPS + 1))
+    assert log["paused"] == STEPS
+    assert log["unknown"] == []
+
+
+def check_rounds_are_areals_counts(run: LoopRun, rounds_per_version: int | None) -> None:
+    """One coordinator round per update, each normalizing by AReaL's own counts of its step.
+
+    ``rounds_per_version`` is the actor's ``ROUNDS_PER_VERSION``; ``None`` where the test
+    process does not import AReaL (the Megatron environment's AReaL and Megatron-Core
+    warn on import), and then the rounds need only be numbered at one spacing from 0.
+    """
+    rounds = sorted(run.rounds, key=lambda r: r.key.step)
+    steps = [r.key.step for r in rounds]
+    if rounds_per_version is not None:
+        spacing = rounds_per_version
+    else:
+        spacing = steps[1] if len(steps) > 1 else 0
+    # One round per update, numbered from the weight version it trained (so a
+    # resumed run continues where its checkpoint left off).
+    assert spacing > 0, steps
+    assert steps == [v * spacing for v in range(STEPS)]
+    for rnd in rounds:
+        assert rnd.outcome is not None
+        assert rnd.outcome.kind == "completed"
+    # token_mean's pg is the step's active tokens over both ranks, and rows its
+    # sequences: AReaL's own n_valid_tokens and n_seqs of the same step.
+    assert [_normalizers(r)["pg"] for r in rounds] == run.logged("ppo_actor/n_valid_tokens")
+    assert [_normalizers(r)["rows"] for r in rounds] == run.logged("ppo_actor/n_seqs")
+    assert run.logged("ppo_actor/n_seqs") == [BATCH * SAMPLES] * STEPS
+    # The same normalizers in AReaL's own stats, once per step.
+    assert run.logged("ppo_actor/update/lossreduce/normalizer/pg") == [
+        _normalizers(r)["pg"] for r in rounds
+    ]
+
+
+def check_first_update(
+    ours: LoopRun, theirs: LoopRun, model: Path, tolerance: float
+) -> tuple[float, float]:
+    """The first update (the weights the server received) equal to stock AReaL's within
+    ``tolerance`` relative to the update, with the same logged grad norm and token count;
+    returns the relative difference and the update's norm."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    start = dict(AutoModelForCausalLM.from_pretrained(model).state_dict())
+    first, stock = ours.weights[1], theirs.weights[1]
+    assert sorted(first) == sorted(stock) == sorted(start)
+    moved = sum(float((stock[n].double() - start[n].double()).pow(2).sum()) for n in start)
+    assert moved > 0, "the first step did not move the weights"
+    diff = sum(float((first[n].double() - stock[n].double()).pow(2).sum()) for n in start)
+    relative = (diff / moved) ** 0.5
+    print(f"first SGD update, lossreduce against stock: relative {relative:.1e}")
+    assert relative < tolerance
+    assert theirs.server_log["versions"] == [1]
+    # The same step's gradient norm (as AReaL prints it) and the same token count.
+    (stock_norm,) = theirs.logged("ppo_actor/update/grad_norm")
+    assert stock_norm > 0
+    assert ours.logged("ppo_actor/update/grad_norm")[0] == pytest.approx(stock_norm, rel=1e-4)
+    assert (
+        ours.logged("ppo_actor/n_valid_tokens")[0] == theirs.logged("ppo_actor/n_valid_tokens")[0]
+    )
+    return relative, moved**0.5

@@ -11,9 +11,8 @@ each case on a fresh actor loaded from the same saved weights. Layouts:
 
 Test-only choices, outside the code under test: the CPU platform
 (:mod:`lossreduce.trainer_worker.integrations.areal.megatron_cpu`: local layer spec,
-packed attention, CPU RNG tracker, CUDA device arguments mapped to the CPU), and
-Megatron's plain optimizer (``use_distributed_optimizer=False``): the distributed
-optimizer reduce-scatters its gradient buffers, which gloo does not implement.
+packed attention, CPU RNG tracker, CUDA device arguments mapped to the CPU). The
+optimizer is AReaL's default, Megatron's distributed optimizer, over gloo.
 """
 
 from __future__ import annotations
