@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from tests.trainer_worker.integrations.areal import actor_checks
 from tests.trainer_worker.integrations.areal.areal_runs import tiny_qwen2
 
 HERE = Path(__file__).resolve().parent
@@ -284,9 +285,7 @@ def first_update_ab(root: Path, launch_one: Any) -> tuple[dict[str, Any], float]
     ours = torch.load(root / "lossreduce" / "received" / "v1.pt")
     theirs = torch.load(root / "stock" / "received" / "v1.pt")
     start = AutoModelForCausalLM.from_pretrained(model).state_dict()
-    diff = sum(float((ours[n].double() - theirs[n].double()).pow(2).sum()) for n in ours)
-    moved = sum(float((theirs[n].double() - start[n].double()).pow(2).sum()) for n in ours)
-    return runs, (diff / moved) ** 0.5
+    return runs, actor_checks.relative(ours, theirs, start)
 
 
 # -- the checks every engine's trainer loop runs -------------------------------------------------
@@ -438,10 +437,7 @@ def check_first_update(
     start = dict(AutoModelForCausalLM.from_pretrained(model).state_dict())
     first, stock = ours.weights[1], theirs.weights[1]
     assert sorted(first) == sorted(stock) == sorted(start)
-    moved = sum(float((stock[n].double() - start[n].double()).pow(2).sum()) for n in start)
-    assert moved > 0, "the first step did not move the weights"
-    diff = sum(float((first[n].double() - stock[n].double()).pow(2).sum()) for n in start)
-    relative = (diff / moved) ** 0.5
+    relative = actor_checks.relative(first, stock, start)  # asserts the step moved them
     print(f"first SGD update, lossreduce against stock: relative {relative:.1e}")
     assert relative < tolerance
     assert theirs.server_log["versions"] == [1]
@@ -452,4 +448,5 @@ def check_first_update(
     assert (
         ours.logged("ppo_actor/n_valid_tokens")[0] == theirs.logged("ppo_actor/n_valid_tokens")[0]
     )
+    moved = sum(float((stock[n].double() - start[n].double()).pow(2).sum()) for n in start)
     return relative, moved**0.5
