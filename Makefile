@@ -12,6 +12,10 @@ BIN    := $(VENV)/bin
 DEMO_ARGS ?=
 # Extra pytest flags, e.g. `make test PYTEST_ARGS="-k round_table -x"`.
 PYTEST_ARGS ?=
+# A process that dies of a fatal signal (a C extension's segfault or abort) prints
+# every thread's Python stack, also after pytest has ended, when its own fault
+# handler is off again: interpreter teardown is where such a crash has shown up.
+export PYTHONFAULTHANDLER ?= 1
 
 .PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-areal test-megatron test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
 

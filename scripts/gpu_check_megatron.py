@@ -33,16 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lossreduce.ports import free_port
+from tests.trainer_worker.integrations.areal.actor_checks import relative as _relative
 from tests.trainer_worker.integrations.areal.areal_runs import MODES, Case
 from tests.trainer_worker.integrations.areal.megatron import megatron_runs
 
 TOLERANCE = 1e-4
-
-
-def _relative(got: dict[str, Any], want: dict[str, Any], start: dict[str, Any]) -> float:
-    num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
-    den = sum(float((want[n].double() - start[n].double()).pow(2).sum()) for n in want)
-    return float((num / den) ** 0.5) if den > 0 else float("inf")
 
 
 def _run(layout: str, cases: list[Case], folder: Path, model: Path) -> list[dict[str, Any]]:

@@ -189,8 +189,9 @@ class CoordinatorActor:
             remove_journal(self._journal)
 
     def __ray_shutdown__(self) -> None:
-        """Ray calls this when the actor ends gracefully (every handle dropped), never
-        when it is killed or its owner dies: a crash keeps the journal for the restart."""
+        """Ray calls this when the actor ends gracefully: every handle dropped, and at
+        times when its owner dies (Ray ends such an actor either way), never when it is
+        killed: a crash keeps the journal for the restart."""
         self.stop()
 
 
