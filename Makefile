@@ -134,9 +134,11 @@ $(AREAL_VENV)/.installed: pyproject.toml docs/frameworks/areal.md $(AREAL_CONSTR
 	grep -v '^#' $(AREAL_CONSTRAINTS) | diff -u - $(AREAL_VENV)/freeze.txt
 	touch $@
 
+# The Megatron folder runs in its own environment (test-megatron), not skipped here.
 test-areal: $(AREAL_VENV)/.installed
 	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal \
-		tests/trainer_worker/train/engines/areal $(PYTEST_ARGS)
+		tests/trainer_worker/train/engines/areal \
+		--ignore=tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS)
 
 # AReaL's Megatron engine (tests/trainer_worker/integrations/areal/megatron) runs in an
 # environment of its own: Python 3.12 (megatron-core's), AReaL 1.0.4 with megatron-core
