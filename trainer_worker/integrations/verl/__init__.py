@@ -11,7 +11,8 @@ A verl launch selects it with ``trainer.v1.trainer_mode=lossreduce`` (the
 trainer mode :mod:`.plugin` registers; verl loads that module in every process
 through the ``verl.plugins`` entry point). The worker classes import verl when
 first used; the settings, the plan and the option rules do not import verl, so
-verl may load :mod:`.cpu_platform` while it is itself being imported.
+verl may load an external platform module (``VERL_USE_EXTERNAL_MODULES``, e.g. the
+tests' CPU platform) while it is itself being imported.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lossreduce.trainer_worker.integrations.areal.archon_cpu import (
+from lossreduce.trainer_worker.cpu_standins.areal.archon import (
     ARCHON_CPU_OVERRIDES,
     archon_cpu_config,
 )

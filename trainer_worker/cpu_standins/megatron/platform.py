@@ -1,16 +1,20 @@
-"""A CPU platform for AReaL's Megatron engine, so that its real ``MegatronPPOActor``
+"""One CPU platform for Megatron-Core, so that a framework's real Megatron engine
 trains without a GPU (the tests; on a GPU, only its layer spec is of use, where
 Transformer Engine is not installed: ``scripts/gpu_check_megatron.py``).
 
-AReaL 1.0.4's ``MegatronEngine`` assumes CUDA in four places, and each is
-redirected here without changing a file of AReaL, mbridge or Megatron-Core:
+A Megatron-Core GPT model built by mbridge, and an engine written for CUDA around it,
+meet CUDA in four places; each is redirected here without changing a file of the
+framework, mbridge or Megatron-Core. AReaL 1.0.4's ``MegatronEngine`` is the engine
+this is tested with (:mod:`lossreduce.trainer_worker.cpu_standins.areal.megatron` adds
+AReaL's own version fixes); any other framework's Megatron engine that builds its model
+through mbridge uses this same platform, with its own fixes beside it:
 
-1. **Devices.** ``initialize`` sets ``self.device = torch.device(LOCAL_RANK)``,
-   which is ``cuda:0``, builds the model under ``with self.device:`` and moves
-   every micro-batch there; mbridge calls ``model.cuda(torch.cuda.current_device())``
-   and Megatron-Core allocates its gradient buffers on
-   ``torch.cuda.current_device()``. :class:`CudaToCpu`, a torch function mode,
-   turns every CUDA device argument of a torch call into the CPU, and
+1. **Devices.** An engine sets ``self.device = torch.device(LOCAL_RANK)`` (AReaL's
+   ``initialize``), which is ``cuda:0``, builds the model under ``with self.device:``
+   and moves every micro-batch there; mbridge calls
+   ``model.cuda(torch.cuda.current_device())`` and Megatron-Core allocates its gradient
+   buffers on ``torch.cuda.current_device()``. :class:`CudaToCpu`, a torch function
+   mode, turns every CUDA device argument of a torch call into the CPU, and
    ``torch.cuda.current_device`` answers 0 (which the mode maps to the CPU).
 2. **The RNG tracker.** Megatron-Core's ``CudaRNGStatesTracker`` keeps CUDA
    generator states; :class:`CpuRNGStatesTracker` keeps CPU ones, and forks the
@@ -19,17 +23,16 @@ redirected here without changing a file of AReaL, mbridge or Megatron-Core:
    (``use_transformer_engine=True``); :func:`cpu_decoder_block_spec` gives
    Megatron-Core's local modules in the same layout (the norm inside the
    column-parallel linear, so that mbridge's Hugging Face name mapping holds).
-4. **Packed attention.** AReaL feeds packed sequences (``thd``, ``cu_seqlens``),
+4. **Packed attention.** Engines feed packed sequences (``thd``, ``cu_seqlens``),
    which only Transformer Engine's attention takes; :class:`PackedDotProductAttention`
    masks per packed sequence (what TE's varlen kernel does on a GPU).
 
-The version fixes every device needs (:mod:`.megatron_compat`) are applied by
-:func:`install` too.
-
-Call :func:`install` in every rank's process before building the engine, and
-run the engine inside :class:`CudaToCpu`. Context parallelism is not covered:
-Megatron-Core's local attention refuses it (``DotProductAttention`` asserts
-``context_parallel_size == 1``; only ``TEDotProductAttention`` implements it).
+Call :func:`install` in every rank's process before building the engine (after the
+framework's own fixes, if it has any), and run the engine inside :class:`CudaToCpu`.
+Context parallelism is not covered: Megatron-Core's local attention refuses it
+(``DotProductAttention`` asserts ``context_parallel_size == 1``; only
+``TEDotProductAttention`` implements it). This module imports no RL framework, only
+Megatron-Core and mbridge.
 """
 
 from __future__ import annotations
@@ -63,8 +66,6 @@ from megatron.core.transformer.transformer_layer import (
 from torch import Tensor
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode
-
-from lossreduce.trainer_worker.integrations.areal import megatron_compat
 
 __all__ = [
     "CpuRNGStatesTracker",
@@ -319,10 +320,8 @@ def cpu_decoder_block_spec(
 
 
 def install() -> None:
-    """Redirect this process's CUDA calls of AReaL's Megatron engine to the CPU
-    (see the module docstring), after :func:`.megatron_compat.install`; then run the
-    engine inside :class:`CudaToCpu`."""
-    megatron_compat.install()
+    """Redirect this process's CUDA calls of a Megatron engine to the CPU (see the
+    module docstring); then run the engine inside :class:`CudaToCpu`."""
     mbridge_llm.get_gpt_decoder_block_spec = cpu_decoder_block_spec
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     torch.cuda.current_device = _current_device

@@ -3,8 +3,8 @@ agree with the exact reference, and the figures come back."""
 
 from __future__ import annotations
 
-from lossreduce.server.bench.cli import build_parser
-from lossreduce.server.bench.m2po import M2POBenchSettings, format_m2po_bench, run_m2po_bench
+from lossreduce.bench.cli import build_parser
+from lossreduce.bench.m2po import M2POBenchSettings, format_m2po_bench, run_m2po_bench
 
 
 def test_m2po_bench_smoke() -> None:

@@ -9,7 +9,8 @@ one warm-up step each, steps alternate ABBA one by one, so drift and load hit
 both sides alike, and the medians are compared.
 
 Without CUDA it runs verl on lossreduce's CPU platform for verl
-(:mod:`.cpu_platform`), selected with :data:`CPU_ENV` before verl is first
+(:mod:`lossreduce.trainer_worker.cpu_standins.verl.platform`), selected with
+:data:`~lossreduce.trainer_worker.cpu_standins.verl.env.CPU_ENV` before verl is first
 imported (:func:`run_verl_bench` does that when verl is not imported yet).
 """
 
@@ -27,20 +28,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 
-__all__ = ["CPU_ENV", "VerlBenchResult", "VerlBenchSettings", "run_verl_bench"]
+__all__ = ["VerlBenchResult", "VerlBenchSettings", "run_verl_bench"]
 
 _PAD, _EOS = 0, 1
-
-CPU_ENV = {
-    "VERL_PLATFORM": "cpu",
-    # verl registers its FSDP engine for cuda/npu only; the engine itself runs on CPU.
-    "VERL_ENGINE_DEVICE": "cuda",
-    "VERL_USE_EXTERNAL_MODULES": "lossreduce.trainer_worker.integrations.verl.cpu_platform",
-}
-"""What a process needs before it imports verl to run verl's FSDP engine on CPU."""
 
 
 class VerlBenchSettings(BaseModel):

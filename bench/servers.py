@@ -1,6 +1,6 @@
 """The server side of each contender of ``lossreduce bench``, run by the driver.
 
-- the ``bare-echo`` reference (:mod:`lossreduce.server.bench.echo`), in its own
+- the ``bare-echo`` reference (:mod:`lossreduce.bench.echo`), in its own
   process too;
 - the coordinator: ``lossreduce serve`` in its own process, so its CPU time is
   its own and can be read from ``/proc`` (:func:`start_serve` launches it and
@@ -219,13 +219,13 @@ class CoordinatorProcess(_ServerProcess):
 
 
 class EchoProcess(_ServerProcess):
-    """The ``bare-echo`` reference server (:mod:`lossreduce.server.bench.echo`)."""
+    """The ``bare-echo`` reference server (:mod:`lossreduce.bench.echo`)."""
 
     def __init__(self, startup_timeout_s: float = 60.0) -> None:
         super().__init__(startup_timeout_s)
 
     def _launch(self, timeout_s: float) -> subprocess.Popen[bytes]:
-        from lossreduce.server.bench.echo import ECHO_MODULE
+        from lossreduce.bench.echo import ECHO_MODULE
 
         return _start(
             [sys.executable, "-m", ECHO_MODULE, "--port", str(self.port)],

@@ -27,31 +27,31 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lossreduce.server.bench.contenders import Endpoints
-from lossreduce.server.bench.e2e import (
+from lossreduce.bench.contenders import Endpoints
+from lossreduce.bench.e2e import (
     run_areal_e2e,
     run_e2e,
     run_trl_e2e,
     run_verl_e2e,
     run_verl_main_ppo_e2e,
 )
-from lossreduce.server.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
-from lossreduce.server.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
-from lossreduce.server.bench.report import (
+from lossreduce.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
+from lossreduce.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
+from lossreduce.bench.report import (
     format_table,
     ratios,
     targets,
     write_json,
     write_plot,
 )
-from lossreduce.server.bench.run import CpuReader, WorldRun, place, run_world, settle
-from lossreduce.server.bench.servers import (
+from lossreduce.bench.run import CpuReader, WorldRun, place, run_world, settle
+from lossreduce.bench.servers import (
     CoordinatorProcess,
     EchoProcess,
     process_cpu_ns,
     start_store,
 )
-from lossreduce.server.bench.stats import ContenderResult
+from lossreduce.bench.stats import ContenderResult
 from lossreduce.settings_cli import FlagError, SettingsParser, add_settings_flags, parse_settings
 
 __all__ = [
@@ -252,7 +252,7 @@ class _Ray:
         self._actors: list[object] = []
 
     def actor(self, name: str) -> int:
-        from lossreduce.server.bench.ray_contender import start_ray_coordinator
+        from lossreduce.bench.ray_contender import start_ray_coordinator
 
         actor, pid = start_ray_coordinator(name)
         self._actors.append(actor)
@@ -453,14 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--many-runs",
         action="store_true",
-        help="Run the many-runs soak instead (lossreduce.server.bench.many_runs: one coordinator, "
+        help="Run the many-runs soak instead (lossreduce.bench.many_runs: one coordinator, "
         "16 concurrent jobs x 16 ranks starting, finishing and reusing names, against one "
         "job of 256 ranks); writes many-runs.json to --out.",
     )
     parser.add_argument(
         "--m2po",
         action="store_true",
-        help="Run the global M2PO cut-off benchmark instead (lossreduce.server.bench.m2po: 8 "
+        help="Run the global M2PO cut-off benchmark instead (lossreduce.bench.m2po: 8 "
         "gloo ranks x 10^6 tokens, the search through torch.distributed and the coordinator "
         "against an all-gather of every value); writes m2po.json to --out.",
     )
@@ -489,7 +489,7 @@ def main(argv: Sequence[str]) -> int:
         (settings.out / "many-runs.json").write_text(json.dumps(report, indent=2) + "\n")
         return 0
     if args.m2po:
-        from lossreduce.server.bench.m2po import (
+        from lossreduce.bench.m2po import (
             M2POBenchSettings,
             format_m2po_bench,
             run_m2po_bench,

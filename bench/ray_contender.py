@@ -13,8 +13,8 @@ import math
 import os
 from collections.abc import Sequence
 
-from lossreduce.server.bench.contenders import CALL_TIMEOUT_S, Endpoints
-from lossreduce.server.bench.workload import partials_for
+from lossreduce.bench.contenders import CALL_TIMEOUT_S, Endpoints
+from lossreduce.bench.workload import partials_for
 
 __all__ = ["RAY_NAMESPACE", "RayActorCoordinator", "RayRanks", "start_ray_coordinator"]
 

@@ -1,6 +1,6 @@
 """A tiny offline ``python -m verl.trainer.main_ppo`` on CPU: its inputs and the launch.
 
-Everything is verl's own but generation (:mod:`.cpu_rollout`): a tiny Qwen2 built
+Everything is verl's own but generation (:mod:`.rollout`): a tiny Qwen2 built
 from a config and a word-level tokenizer with a chat template (no hub), a parquet
 dataset of letter prompts, a rule reward (the share of the response's letters among
 :data:`GOOD`), GRPO with ``rollout.n=2`` and the KL loss on, 2 gloo ranks, verl's
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lossreduce.trainer_worker.integrations.verl.bench import CPU_ENV
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV, ROLLOUT_MODULE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -64,7 +64,7 @@ CPU_LAUNCH_ENV = {
     "VERL_USE_EXTERNAL_MODULES": ",".join(
         [
             CPU_ENV["VERL_USE_EXTERNAL_MODULES"],
-            "lossreduce.trainer_worker.integrations.verl.cpu_rollout",
+            ROLLOUT_MODULE,
         ]
     ),
 }
@@ -226,9 +226,7 @@ def overrides(
 def launch_env(*, cuda: bool = False) -> dict[str, str]:
     """The environment a launch sets: the CPU rollout, and on CPU verl's CPU platform."""
     if cuda:
-        return {
-            "VERL_USE_EXTERNAL_MODULES": "lossreduce.trainer_worker.integrations.verl.cpu_rollout"
-        }
+        return {"VERL_USE_EXTERNAL_MODULES": ROLLOUT_MODULE}
     return dict(CPU_LAUNCH_ENV)
 
 

@@ -2,8 +2,8 @@
 
 verl 0.9.1 ships platforms for CUDA, ROCm and Ascend only. This module
 registers ``cpu`` when imported: load it in every process with
-``VERL_USE_EXTERNAL_MODULES=lossreduce.trainer_worker.integrations.verl.cpu_platform``
-and select it with ``VERL_PLATFORM=cpu`` (all of it: :data:`.bench.CPU_ENV`). The device
+``VERL_USE_EXTERNAL_MODULES=lossreduce.trainer_worker.cpu_standins.verl.platform``
+and select it with ``VERL_PLATFORM=cpu`` (all of it: :data:`.env.CPU_ENV`). The device
 module is ``torch.cpu`` plus the memory statistics verl logs (zeros); the
 collective backend is gloo. Only CPU-only runs need it (the tests, the bench);
 a GPU run never imports it. It imports nothing of lossreduce beyond this.

@@ -9,7 +9,7 @@ coordinator is measured against them. It runs in its own process, like
 ``lossreduce serve``, with the same cycle-collector tuning, and answers the
 health check the bench waits on.
 
-    python -m lossreduce.server.bench.echo --port 50070
+    python -m lossreduce.bench.echo --port 50070
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["ECHO_MODULE", "EchoServicer", "echo", "main"]
 
-ECHO_MODULE = "lossreduce.server.bench.echo"
+ECHO_MODULE = "lossreduce.bench.echo"
 """Run with ``python -m`` to start the echo server."""
 
 

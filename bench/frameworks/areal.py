@@ -9,8 +9,9 @@ overhead shows most. Both actors live in the same process, loaded from the
 same weights; runs alternate ABBA so drift (thermal, other load) hits both
 alike; the first step of each run is dropped as warm-up and the medians are
 compared. Without CUDA, Archon runs with its CPU settings
-(:func:`.archon_cpu.archon_cpu_config`) and Megatron on the CPU platform of
-:mod:`.megatron_cpu`, as the tests run them.
+(:func:`lossreduce.trainer_worker.cpu_standins.areal.archon.archon_cpu_config`) and
+Megatron on the Megatron CPU platform
+(:mod:`lossreduce.trainer_worker.cpu_standins.areal.megatron`), as the tests run them.
 
 With ``m2_threshold`` set the same run also times both actors with AReaL's
 M2PO on (``use_decoupled_loss``, a ``prox_logp`` that drifted from the
@@ -221,7 +222,7 @@ def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings, m2po:
         config.m2_threshold = settings.m2_threshold
         config.use_decoupled_loss = True
     if settings.engine == "archon" and not torch.cuda.is_available():
-        from lossreduce.trainer_worker.integrations.areal.archon_cpu import archon_cpu_config
+        from lossreduce.trainer_worker.cpu_standins.areal.archon import archon_cpu_config
 
         archon_cpu_config(config)
     if settings.engine == "megatron":
@@ -245,8 +246,8 @@ def _actor(lossreduce: bool, model_dir: str, settings: ArealBenchSettings, m2po:
 @contextlib.contextmanager
 def _platform(engine: ArealEngine) -> Iterator[None]:
     """Where Megatron runs: its model-parallel state over the bench's one-process group
-    (the engine makes it only with a group of its own), on the CPU platform of
-    :mod:`.megatron_cpu` when there is no CUDA."""
+    (the engine makes it only with a group of its own), on the Megatron CPU platform
+    when there is no CUDA."""
     if engine != "megatron":
         yield
         return
@@ -259,10 +260,11 @@ def _platform(engine: ArealEngine) -> Iterator[None]:
     if torch.cuda.is_available():
         megatron_compat.install()
     else:
-        from lossreduce.trainer_worker.integrations.areal import megatron_cpu
+        from lossreduce.trainer_worker.cpu_standins.areal import megatron as areal_megatron
+        from lossreduce.trainer_worker.cpu_standins.megatron.platform import CudaToCpu
 
-        megatron_cpu.install()
-        platform = megatron_cpu.CudaToCpu()
+        areal_megatron.install()
+        platform = CudaToCpu()
     with platform:
         mpu.initialize_model_parallel(order="tp-cp-ep-dp-pp")
         tensor_parallel.model_parallel_cuda_manual_seed(0)

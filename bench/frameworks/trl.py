@@ -24,6 +24,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
+
+# At import, as the integration's package checks TRL's version: without TRL (or with an
+# untested one) importing this bench fails at once, and ``--e2e`` says so in one line.
+from lossreduce.trainer_worker.integrations.trl import LossReduceGRPOTrainer
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 
 __all__ = ["TRLBenchResult", "TRLBenchSettings", "run_trl_bench"]
@@ -146,8 +150,6 @@ def _build(settings: TRLBenchSettings, workdir: Path, lossreduce: bool) -> tuple
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from lossreduce.trainer_worker.integrations.trl import LossReduceGRPOTrainer
 
     name = "lossreduce" if lossreduce else "dapo"
     prompts = [f"w{p} w{p} w{p} w{p}" for p in range(settings.prompts)]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lossreduce.trainer_worker.integrations.areal.bench import ArealBenchSettings
+    from lossreduce.bench.frameworks.areal import ArealBenchSettings
 
 __all__ = [
     "TRL_TARGET_RATIO",
@@ -154,7 +154,7 @@ def run_trl_e2e() -> dict[str, float | int | bool] | None:
     (median over steps, ABBA order, one process): the ratio and whether it meets
     :data:`TRL_TARGET_RATIO`; None, said in one line, when TRL is not installed."""
     try:
-        from lossreduce.trainer_worker.integrations.trl.bench import run_trl_bench
+        from lossreduce.bench.frameworks.trl import run_trl_bench
     except ImportError as err:
         print(f"  TRL step: skipped ({err})", flush=True)
         return None
@@ -180,7 +180,7 @@ def run_verl_e2e() -> dict[str, float | int | bool] | None:
     if _verl_missing("verl step"):
         return None
     # Imports verl only inside run_verl_bench, after choosing its platform.
-    from lossreduce.trainer_worker.integrations.verl.bench import run_verl_bench
+    from lossreduce.bench.frameworks.verl import run_verl_bench
 
     return _framework_step("verl", "token-mean", "verl", run_verl_bench())
 
@@ -193,7 +193,7 @@ def run_verl_main_ppo_e2e() -> dict[str, float | int | bool] | None:
     said in one line, when verl is not installed."""
     if _verl_missing("verl main_ppo step"):
         return None
-    from lossreduce.trainer_worker.integrations.verl.main_ppo_bench import run_main_ppo_bench
+    from lossreduce.bench.frameworks.verl_main_ppo import run_main_ppo_bench
 
     result = run_main_ppo_bench()
     step = _framework_step("verl main_ppo", "stock token-mean", "stock", result)
@@ -222,7 +222,7 @@ def run_areal_e2e(
     :data:`TRL_TARGET_RATIO` (the same 1.03); None, said in one line, where AReaL is not
     installed (it has an environment of its own: docs/frameworks/areal.md)."""
     try:
-        from lossreduce.trainer_worker.integrations.areal.bench import (
+        from lossreduce.bench.frameworks.areal import (
             ENGINES,
             ArealBenchSettings,
             run_areal_bench,

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
-from lossreduce.server.bench.stats import ContenderResult, ratio
+from lossreduce.bench.stats import ContenderResult, ratio
 
 __all__ = [
     "REFERENCE",

@@ -24,11 +24,11 @@ from typing import Protocol
 import grpc
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from lossreduce.bench.workload import CONTRACT, TERMS, partials_for
 from lossreduce.client import AsyncReductionClient, ClientSettings, ReductionClient
 from lossreduce.client.agent import AgentSettings, NodeAgent
 from lossreduce.contribution import Contribution
 from lossreduce.errors import LossReduceError
-from lossreduce.server.bench.workload import CONTRACT, TERMS, partials_for
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 
@@ -274,7 +274,7 @@ class BareStreamRanks:
 
 class BareEchoRanks(BareStreamRanks):
     """The reference: :class:`BareStreamRanks` against the echo server
-    (:mod:`lossreduce.server.bench.echo`), which answers each message at once
+    (:mod:`lossreduce.bench.echo`), which answers each message at once
     with the rank's own partials, so the sums are not checked."""
 
     checked = False

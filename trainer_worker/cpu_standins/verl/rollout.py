@@ -19,7 +19,7 @@ the actor update and the weight sync to the rollout):
   it loads them into its replica's server.
 
 Load it in every process with ``VERL_USE_EXTERNAL_MODULES`` (beside
-:mod:`.cpu_platform`). For tests and CPU-only runs; a GPU run uses verl's engines.
+:mod:`.platform`). For tests and CPU-only runs; a GPU run uses verl's engines.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ every check of the soak holds, and the figures come back."""
 
 from __future__ import annotations
 
-from lossreduce.server.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
+from lossreduce.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
 
 
 def test_many_runs_soak_smoke() -> None:

@@ -15,18 +15,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossreduce.server.bench.cli import PROG, QUICK_DEFAULTS, BenchSettings, build_parser, main
-from lossreduce.server.bench.contenders import (
+from lossreduce.bench.cli import PROG, QUICK_DEFAULTS, BenchSettings, build_parser, main
+from lossreduce.bench.contenders import (
     BareStreamRanks,
     CoordinatorStreamRanks,
     Endpoints,
 )
-from lossreduce.server.bench.e2e import abba, step_seconds
-from lossreduce.server.bench.hosts import CONTENDERS, HIERARCHICAL, split_ranks
-from lossreduce.server.bench.report import format_table, ratios, targets
-from lossreduce.server.bench.run import place
-from lossreduce.server.bench.stats import ContenderResult, percentile, round_latency_ns, summarize
-from lossreduce.server.bench.workload import (
+from lossreduce.bench.e2e import abba, step_seconds
+from lossreduce.bench.hosts import CONTENDERS, HIERARCHICAL, split_ranks
+from lossreduce.bench.report import format_table, ratios, targets
+from lossreduce.bench.run import place
+from lossreduce.bench.stats import ContenderResult, percentile, round_latency_ns, summarize
+from lossreduce.bench.workload import (
     TERMS,
     WrongSumError,
     check_sums,

@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lossreduce.server.bench.contenders import Endpoints
-from lossreduce.server.bench.hosts import HIERARCHICAL, HostPlan, HostPool, split_ranks
-from lossreduce.server.bench.report import Skipped
-from lossreduce.server.bench.stats import ContenderResult, round_latency_ns, summarize
+from lossreduce.bench.contenders import Endpoints
+from lossreduce.bench.hosts import HIERARCHICAL, HostPlan, HostPool, split_ranks
+from lossreduce.bench.report import Skipped
+from lossreduce.bench.stats import ContenderResult, round_latency_ns, summarize
 
 __all__ = ["OWN_PROCESSES", "CpuReader", "Placement", "WorldRun", "place", "run_world", "settle"]
 

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from lossreduce.server.bench.e2e import run_verl_e2e
+from lossreduce.bench.e2e import run_verl_e2e
 
 
 @pytest.mark.skipif(

@@ -2,7 +2,7 @@
 
 The driver starts one set of load processes per world size; each hosts a
 slice of the ranks of every contender that shares processes (all but
-``OWN_PROCESSES`` of :mod:`lossreduce.server.bench.run`), so contenders can be
+``OWN_PROCESSES`` of :mod:`lossreduce.bench.run`), so contenders can be
 interleaved round by round on the same processes. The driver sends ``("round", contender,
 step)`` over a pipe; the process runs its ranks' contributions, stamps the
 start and end with ``time.perf_counter_ns`` (CLOCK_MONOTONIC, comparable
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from lossreduce.server.bench.contenders import (
+from lossreduce.bench.contenders import (
     CALL_TIMEOUT_S,
     BareEchoRanks,
     BareStreamRanks,
@@ -41,7 +41,7 @@ from lossreduce.server.bench.contenders import (
     RankSide,
     TCPStoreRanks,
 )
-from lossreduce.server.bench.workload import check_sums, expected_sums
+from lossreduce.bench.workload import check_sums, expected_sums
 
 __all__ = [
     "CONTENDERS",
@@ -59,7 +59,7 @@ RankSideFactory = Callable[[Endpoints, Sequence[int], int], RankSide]
 
 def _ray_ranks(endpoints: Endpoints, ranks: Sequence[int], world_size: int) -> RankSide:
     # Imported lazily: only the load processes that host Ray ranks pay for Ray.
-    from lossreduce.server.bench.ray_contender import RayRanks
+    from lossreduce.bench.ray_contender import RayRanks
 
     return RayRanks(endpoints, ranks, world_size)
 
@@ -83,7 +83,7 @@ HIERARCHICAL: frozenset[str] = frozenset({"coordinator-hierarchical", "hierarchi
 ECHO: frozenset[str] = frozenset({"bare-echo", "hierarchical-echo"})
 """The references served by the echo server instead of the coordinator."""
 
-_PRELOAD = ["torch", "torch.distributed", "grpc", "lossreduce.server.bench.hosts"]
+_PRELOAD = ["torch", "torch.distributed", "grpc", "lossreduce.bench.hosts"]
 
 
 class BenchHostError(RuntimeError):

@@ -1,7 +1,8 @@
 """What the lossreduce trainer mode costs a whole ``main_ppo`` training step.
 
-Launches verl's own ``python -m verl.trainer.main_ppo`` (:mod:`.cpu_launch`: the tiny
-CPU launch of the docs, 2 gloo ranks) alternately as stock verl
+Launches verl's own ``python -m verl.trainer.main_ppo``
+(:mod:`lossreduce.trainer_worker.cpu_standins.verl.launch`: the tiny CPU launch of the
+docs, 2 gloo ranks) alternately as stock verl
 (``loss_agg_mode=token-mean``, the default trainer mode) and with
 ``trainer.v1.trainer_mode=lossreduce`` (``mode=token_mean`` through the job's own
 coordinator actor), in ABBA order so that drift in the machine's speed hits both
@@ -24,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lossreduce.trainer_worker.integrations.verl.cpu_launch import (
+from lossreduce.trainer_worker.cpu_standins.verl.launch import (
     overrides,
     run_main_ppo,
     write_inputs,
