@@ -21,7 +21,10 @@ are AReaL's own options, so nothing of AReaL is patched:
    ``mb_spec.max_tokens_per_mb`` instead; the padding is its own packed
    sequence and is cut from the log-probabilities before the loss. Its
    positions count from 0 up to that budget, so the budget must stay within
-   the model's ``max_position_embeddings`` (:func:`archon_cpu_config` checks).
+   the model's ``max_position_embeddings``, and there must be one: with AReaL's
+   default ``MicroBatchSpec()`` (``max_tokens_per_mb=None``) AReaL drops
+   ``pad_to_maximum`` with a warning and pads to the page again (the same
+   ``IndexError`` in the rope). :func:`archon_cpu_config` refuses both.
 
 A GPU run needs neither; both are valid there too. This module does not import
 AReaL.
@@ -30,6 +33,8 @@ AReaL.
 from __future__ import annotations
 
 from typing import Any
+
+from lossreduce.errors import ReductionConfigError
 
 __all__ = ["ARCHON_CPU_OVERRIDES", "archon_cpu_config"]
 
@@ -42,17 +47,31 @@ def archon_cpu_config(config: Any) -> Any:
     """Set ``config`` (an AReaL ``PPOActorConfig`` or any ``TrainEngineConfig``) to run
     the Archon engine on CPU, as the module docstring explains; returns it.
 
-    Raises ValueError when ``mb_spec.max_tokens_per_mb`` is above the model's
-    ``max_position_embeddings`` (read from ``config.path``): the padding's
-    positions would run past Archon's rope cache.
+    Raises ReductionConfigError, leaving ``config`` as it was, when
+    ``mb_spec.max_tokens_per_mb`` is None (AReaL would then pad to a whole page) or
+    above the model's ``max_position_embeddings`` (read from ``config.path``): either
+    way the padding's positions would run past Archon's rope cache.
     """
     from transformers import AutoConfig
 
     budget = config.mb_spec.max_tokens_per_mb
     positions = getattr(AutoConfig.from_pretrained(config.path), "max_position_embeddings", None)
-    if budget is not None and positions is not None and budget > positions:
-        raise ValueError(
-            f"actor.mb_spec.max_tokens_per_mb={budget} is above the model's "
+    fix = (
+        f"to at most the model's max_position_embeddings={positions}"
+        if positions is not None
+        else "to the most tokens one packed micro-batch may hold"
+    )
+    if budget is None:
+        raise ReductionConfigError(
+            f"mb_spec.max_tokens_per_mb=None ({config.path}): Archon on CPU pads each "
+            "micro-batch to that token budget (pad_to_maximum), and without one AReaL "
+            "drops pad_to_maximum and pads to a whole 2 MiB page of activations, whose "
+            "positions run past the rope cache; set mb_spec.max_tokens_per_mb "
+            f"(actor.mb_spec.max_tokens_per_mb in a launch) {fix}"
+        )
+    if positions is not None and budget > positions:
+        raise ReductionConfigError(
+            f"mb_spec.max_tokens_per_mb={budget} is above the model's "
             f"max_position_embeddings={positions} ({config.path}): with pad_to_maximum "
             "Archon pads a micro-batch to that many tokens, and the padding's positions "
             "would run past its rope cache; lower max_tokens_per_mb"
