@@ -4,6 +4,8 @@
   mini-batch is normalized by lossreduce's validated global normalizers;
 - :class:`LossReduceActorRolloutRefWorker`: verl's ``ActorRolloutRefWorker``
   building its actor from it;
+- :class:`LossReduceCriticWorker`: verl's critic ``TrainingWorker`` (PPO with
+  ``algorithm.adv_estimator=gae``) whose value loss has a normalizer of its own;
 - :class:`VerlReductionSettings`: how (``LOSSREDUCE_*`` or the config's
   ``lossreduce`` key).
 
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 
 if TYPE_CHECKING:
+    from lossreduce.trainer_worker.integrations.verl.critic import LossReduceCriticWorker
     from lossreduce.trainer_worker.integrations.verl.worker import (
         LossReduceActorRolloutRefWorker,
         LossReduceTrainingWorker,
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LossReduceActorRolloutRefWorker",
+    "LossReduceCriticWorker",
     "LossReduceTrainingWorker",
     "VerlReductionSettings",
 ]
@@ -42,4 +46,8 @@ def __getattr__(name: str) -> object:
         from lossreduce.trainer_worker.integrations.verl import worker
 
         return getattr(worker, name)
+    if name == "LossReduceCriticWorker":
+        from lossreduce.trainer_worker.integrations.verl import critic
+
+        return critic.LossReduceCriticWorker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
