@@ -50,6 +50,17 @@ def prepare_test_process() -> None:
         warnings.filterwarnings(
             "ignore", message="Ray state API is no longer experimental", category=DeprecationWarning
         )
+        # Where Megatron-Core is installed (make test-verl-megatron), verl imports its
+        # engine: Megatron warns of the absent Transformer Engine and Apex and of its own
+        # deprecations.
+        warnings.filterwarnings(
+            "ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed"
+        )
+        warnings.filterwarnings(
+            "ignore",
+            message=r"(The following imports from `dynamic_context\.py`|`torch\.jit\.script_method`)",
+            category=DeprecationWarning,
+        )
         import verl.workers.engine_workers  # noqa: F401
 
 
@@ -72,6 +83,7 @@ class Case:
     mini_batches: int = 1  # per train_mini_batch call
     kl: bool = True
     entropy_coeff: float = tiny_verl.ENTROPY_COEFF
+    ulysses: int = 1  # ulysses_sequence_parallel_size (> 1: packed rows, the CPU stand-ins)
 
 
 def batch_of(case: Case) -> tiny_verl.Rows:
@@ -102,13 +114,18 @@ def _worker(case: Case, model_dir: Path) -> Any:
         HFModelConfig,
         TrainingWorkerConfig,
     )
-    from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
+    attention = "eager"
+    if case.ulysses > 1:
+        from lossreduce.trainer_worker.cpu_standins.verl import ulysses
+
+        ulysses.install()
+        attention = ulysses.ATTENTION
     model = HFModelConfig(
         path=str(model_dir),
-        use_remove_padding=False,
-        override_config={"attn_implementation": "eager"},
+        use_remove_padding=case.ulysses > 1,
+        override_config={"attn_implementation": attention},
     )
     engine = FSDPEngineConfig(
         strategy="fsdp2",
@@ -118,6 +135,7 @@ def _worker(case: Case, model_dir: Path) -> Any:
         micro_batch_size_per_gpu=case.micro,
         max_token_len_per_gpu=20,
         use_dynamic_bsz=case.dynamic,
+        ulysses_sequence_parallel_size=case.ulysses,
     )
     optim = FSDPOptimizerConfig(
         optimizer="SGD" if case.optimizer == "sgd" else "AdamW",
@@ -148,15 +166,27 @@ def _worker(case: Case, model_dir: Path) -> Any:
         ppo_epochs=case.epochs,
         rollout_n=1,
     )
+    return ready_worker(case, config, partial(ppo_loss, config=actor))
+
+
+def ready_worker(
+    case: Case, config: Any, loss_fn: Any, *, critic: bool = False, **settings: Any
+) -> Any:
+    """The case's worker on ``config`` (any engine): verl's stock ``TrainingWorker``, or
+    ``LossReduceTrainingWorker`` (``LossReduceCriticWorker`` with ``critic``) with the
+    case's settings (and ``settings``), reset and given ``loss_fn``."""
+    from verl.workers.engine_workers import TrainingWorker
+
     if case.worker == "verl":
         worker = TrainingWorker(config)
     else:
         from lossreduce.trainer_worker.integrations.verl import (
+            LossReduceCriticWorker,
             LossReduceTrainingWorker,
             VerlReductionSettings,
         )
 
-        settings = VerlReductionSettings.model_validate(
+        reduction = VerlReductionSettings.model_validate(
             {
                 "mode": case.mode,
                 "divisor": case.divisor,
@@ -164,11 +194,13 @@ def _worker(case: Case, model_dir: Path) -> Any:
                 "coordinator": case.coordinator,
                 "on_empty_step": case.on_empty_step,
                 "job": f"test-{case.name}",
+                **settings,
             }
         )
-        worker = LossReduceTrainingWorker(config, reduction=settings)
+        cls = LossReduceCriticWorker if critic else LossReduceTrainingWorker
+        worker = cls(config, reduction=reduction)
     worker.reset()
-    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    worker.set_loss_fn(loss_fn)
     return worker
 
 
@@ -197,7 +229,8 @@ def _optimizer_state(worker: Any) -> dict[str, Any]:
 def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, Any]:
     worker = _worker(case, model_dir)
     data = tiny_verl.tensordict(
-        tiny_verl.shard(batch_of(case), rank, world),
+        # The ranks of one sequence-parallel group hold the same rows.
+        tiny_verl.shard(batch_of(case), rank // case.ulysses, world // case.ulysses),
         mini_batch_size=tiny_verl.BATCH // case.mini_batches,
         epochs=case.epochs,
     )
@@ -221,6 +254,8 @@ def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, An
     result["optimizer"] = _optimizer_state(worker)
     result["normalizers"] = getattr(worker, "last_normalizers", None)
     result["skipped_steps"] = getattr(worker, "skipped_steps", None)
+    group = getattr(worker, "_round_group", None)
+    result["group"] = None if group is None else group()
     close = getattr(worker, "close", None)
     if close is not None:
         close()
