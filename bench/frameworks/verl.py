@@ -65,6 +65,16 @@ class VerlBenchSettings(BaseModel):
         default=PolicyGradientMode.TOKEN_MEAN,
         description="lossreduce mode of the measured worker (token_mean is token-mean's meaning).",
     )
+    loss_mode: str = Field(
+        default="vanilla",
+        description="verl's actor.policy_loss.loss_mode, the same on both sides: 'kl_cov' or "
+        "'clip_cov' times lossreduce's statistics over the whole mini-batch (a no-grad "
+        "forward and the statistics' rounds) against verl's own per micro-batch.",
+    )
+    statistics: Literal["mini_batch", "per_call"] = Field(
+        default="mini_batch",
+        description="lossreduce's statistics scope for such a loss (VerlReductionSettings).",
+    )
     seed: int = Field(default=0, description="Seed of the model weights and the batch.")
     strategy: Literal["fsdp2", "megatron"] = Field(
         default="fsdp2",
@@ -198,7 +208,7 @@ def _engine(settings: VerlBenchSettings, model_dir: Path) -> dict[str, Any]:
 
 def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> Any:
     from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.config import ActorConfig, TrainingWorkerConfig
+    from verl.workers.config import ActorConfig, PolicyLossConfig, TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
@@ -214,11 +224,13 @@ def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> A
         ppo_mini_batch_size=settings.responses,
         ppo_micro_batch_size_per_gpu=settings.micro_batch_size,
         rollout_n=1,
+        policy_loss=PolicyLossConfig(loss_mode=settings.loss_mode),
+    )
+    reduction = VerlReductionSettings(
+        mode=settings.mode, statistics=settings.statistics, job="verl-bench"
     )
     worker = (
-        LossReduceTrainingWorker(
-            config, reduction=VerlReductionSettings(mode=settings.mode, job="verl-bench")
-        )
+        LossReduceTrainingWorker(config, reduction=reduction)
         if lossreduce
         else TrainingWorker(config)
     )

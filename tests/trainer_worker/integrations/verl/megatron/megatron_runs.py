@@ -41,6 +41,7 @@ from tests.trainer_worker.integrations.verl.verl_runs import (
     VERL_ENV,
     Case,
     batch_of,
+    case_loss,
     ready_worker,
 )
 
@@ -62,12 +63,10 @@ denominator ``sqrt(v) + eps`` rounds to ``eps`` in float32 and the update is
 
 @dataclass(frozen=True)
 class MegatronCase(Case):
-    """A :class:`~..verl_runs.Case` on the Megatron engine, with verl's policy loss."""
+    """A :class:`~..verl_runs.Case` on the Megatron engine (its ``role='critic'``: verl's
+    Megatron value model, mbridge's value head on the language model)."""
 
-    loss_mode: str = "vanilla"
-    statistics: str = "mini_batch"
-    critic: bool = False
-    """verl's critic (a value head, verl's ``value_loss``; ``mode`` is the critic's)."""
+    policy_loss: tuple[tuple[str, Any], ...] = (("kl_cov_ratio", 0.25),)
 
 
 def save_model(folder: Path) -> Path:
@@ -96,40 +95,16 @@ def save_model(folder: Path) -> Path:
     return folder
 
 
-def _actor_config(case: MegatronCase) -> Any:
-    from verl.workers.config import ActorConfig, PolicyLossConfig
-
-    return ActorConfig(
-        strategy="megatron",
-        ppo_mini_batch_size=tiny_verl.BATCH // case.mini_batches,
-        ppo_micro_batch_size_per_gpu=case.micro,
-        use_dynamic_bsz=case.dynamic,
-        ppo_max_token_len_per_gpu=20,
-        loss_agg_mode=case.loss_agg_mode,
-        loss_scale_factor=case.loss_scale_factor,
-        use_kl_loss=case.kl,
-        kl_loss_coef=tiny_verl.KL_COEF,
-        kl_loss_type="low_var_kl",
-        entropy_coeff=case.entropy_coeff,
-        clip_ratio=tiny_verl.CLIP,
-        ppo_epochs=case.epochs,
-        rollout_n=1,
-        policy_loss=PolicyLossConfig(loss_mode=case.loss_mode, kl_cov_ratio=0.25),
-    )
-
-
 def _worker(
     case: MegatronCase, model_dir: Path, layout: str, seen: list[dict[str, Any]], vanilla: bool
 ) -> Any:
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import (
-        CriticConfig,
         HFModelConfig,
         McoreEngineConfig,
         McoreOptimizerConfig,
         TrainingWorkerConfig,
     )
-    from verl.workers.utils.losses import ppo_loss, value_loss
 
     _, tp, pp, cp = LAYOUTS[layout]
     engine = McoreEngineConfig(
@@ -153,27 +128,16 @@ def _worker(
         override_optimizer_config={"adam_beta1": 0.0, "adam_eps": SGD_EPS} if sgd else {},
     )
     config = TrainingWorkerConfig(
-        model_type="value_model" if case.critic else "language_model",
+        model_type="value_model" if case.role == "critic" else "language_model",
         model_config=HFModelConfig(path=str(model_dir), use_remove_padding=True),
         engine_config=engine,
         optimizer_config=optim,
         checkpoint_config=CheckpointConfig(),
     )
-    if case.critic:
-        critic = CriticConfig(
-            strategy="megatron",
-            ppo_mini_batch_size=tiny_verl.BATCH,
-            ppo_micro_batch_size_per_gpu=case.micro,
-            rollout_n=1,
-        )
-        loss = partial(value_loss, config=critic)
-    else:
-        loss = partial(ppo_loss, config=_actor_config(case))
+    loss = case_loss(case, "megatron")
     if case.worker == "verl":
         loss = partial(_recorded, seen, loss)
-    if case.critic:
-        return ready_worker(case, config, loss, critic=True, critic_mode=case.mode)
-    return ready_worker(case, config, loss, statistics=case.statistics)
+    return ready_worker(case, config, loss)
 
 
 def _recorded(seen: list[dict[str, Any]], loss_fn: Any, **call: Any) -> Any:
@@ -181,15 +145,6 @@ def _recorded(seen: list[dict[str, Any]], loss_fn: Any, **call: Any) -> Any:
     data = call["data"]
     seen.append({"batch_num_tokens": data["batch_num_tokens"], "dp_size": data["dp_size"]})
     return loss_fn(**call)
-
-
-def _add_value_targets(data: Any, rank: int, world: int) -> None:
-    """The critic's old values and returns ``[B, R]``: seeded, this rank's rows of them."""
-    gen = torch.Generator().manual_seed(5)
-    shape = (tiny_verl.BATCH, tiny_verl.RESPONSE_LEN)
-    values, returns = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    rows = slice(rank * tiny_verl.BATCH // world, (rank + 1) * tiny_verl.BATCH // world)
-    data["values"], data["returns"] = values[rows], returns[rows]
 
 
 def _params(worker: Any, *, local: bool = False) -> dict[str, torch.Tensor]:
@@ -235,14 +190,14 @@ def run_case(
         return {"init_error": {"type": type(err).__name__, "message": str(err)}}
     data = tiny_verl.tensordict(
         tiny_verl.shard(
-            batch_of(case), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+            batch_of(case, model_dir),
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
         ),
         mini_batch_size=tiny_verl.BATCH // case.mini_batches,
         epochs=case.epochs,
     )
-    if case.critic:
-        _add_value_targets(data, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-    before = _params(worker, local=case.critic)
+    before = _params(worker, local=case.role == "critic")
     try:
         output = worker.train_mini_batch(data)
         if output is not None:
@@ -256,7 +211,7 @@ def run_case(
             "terms": getattr(err, "terms", ()),
         }
         result["traceback"] = traceback.format_exc()
-    after = _params(worker, local=case.critic)
+    after = _params(worker, local=case.role == "critic")
     result["update"] = {n: after[n] - before[n] for n in before}
     result["optimizer"] = _optimizer_state(worker)
     result["normalizers"] = getattr(worker, "last_normalizers", None)

@@ -82,8 +82,8 @@ def layout_cases(layout: str, target: str) -> list[MegatronCase]:
             MegatronCase("masked-nan", mode="prompt_mean", micro=1, batch="masked_nan"),
             MegatronCase("empty-raise", batch="all_masked"),
             MegatronCase("empty-skip", batch="all_masked", on_empty_step="skip", optimizer="adamw"),
-            MegatronCase("critic-dp2", critic=True),
-            MegatronCase("verl-critic-dp2", worker="verl", critic=True),
+            MegatronCase("critic-dp2", role="critic"),
+            MegatronCase("verl-critic-dp2", worker="verl", role="critic"),
         ]
     # tp2, pp2: the model split over two ranks, one data-parallel rank.
     cases = [
