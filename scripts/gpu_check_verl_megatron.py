@@ -39,11 +39,8 @@ from lossreduce.ports import free_port
 from tests.trainer_worker.integrations.verl import tiny_verl
 from tests.trainer_worker.integrations.verl.megatron import megatron_runs
 from tests.trainer_worker.integrations.verl.megatron.megatron_runs import MegatronCase
-from tests.trainer_worker.integrations.verl.test_verl_worker import (
-    MODES,
-    reference_update,
-    relative,
-)
+from tests.trainer_worker.integrations.verl.test_verl_worker import MODES, reference_update
+from tests.trainer_worker.integrations.verl.verl_runs import relative
 
 TOLERANCE = 1e-4
 

@@ -7,14 +7,13 @@ Megatron-Core 0.17.0 removed (its ``ModelType`` keeps only ``encoder_or_decoder`
 model build stops there with ``AttributeError: type object 'ModelType' has no attribute
 'encoder_and_decoder'``, on a GPU too. :func:`install` gives mbridge's ``util`` module a
 ``ModelType`` with both names; the one it builds models with is Megatron-Core's own
-member. It changes no installed file and imports no RL framework.
+member. It changes no installed file and imports no RL framework (mbridge and
+Megatron-Core only when :func:`install` runs).
 """
 
 from __future__ import annotations
 
 import types
-
-import mbridge.core.util as mbridge_util
 
 __all__ = ["install"]
 
@@ -22,6 +21,7 @@ __all__ = ["install"]
 def install() -> None:
     """Give mbridge the ``ModelType`` it compares with (idempotent; a no-op where
     Megatron-Core still has ``encoder_and_decoder``)."""
+    import mbridge.core.util as mbridge_util
     from megatron.core.enums import ModelType
 
     if hasattr(ModelType, "encoder_and_decoder"):

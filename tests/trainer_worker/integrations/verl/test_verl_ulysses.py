@@ -30,9 +30,8 @@ from tests.trainer_worker.integrations.verl.test_verl_worker import (
     FORMULA_RTOL,
     UPDATE_RTOL,
     reference_update,
-    relative,
 )
-from tests.trainer_worker.integrations.verl.verl_runs import Case, run
+from tests.trainer_worker.integrations.verl.verl_runs import Case, relative, run
 
 
 def cases(target: str) -> list[Case]:

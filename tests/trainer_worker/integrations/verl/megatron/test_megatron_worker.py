@@ -34,10 +34,9 @@ from tests.trainer_worker.integrations.verl.test_verl_worker import (
     FORMULA_RTOL,
     MODES,
     UPDATE_RTOL,
-    is_zero,
     reference_update,
-    relative,
 )
+from tests.trainer_worker.integrations.verl.verl_runs import is_zero, relative
 
 # split -> (layout, micro-batch size per rank, use_dynamic_bsz, modes run in it)
 SPLITS: dict[str, tuple[str, int, bool, tuple[str, ...]]] = {
