@@ -1,4 +1,4 @@
-"""Runs of verl 0.9.1's Megatron engine under ``TrainingWorker`` and ``LossReduceTrainingWorker`` on CPU.
+"""Runs of verl 0.9.1's Megatron engine under ``TrainingWorker`` and ``LossReduceTrainingWorker``.
 
 The FSDP tests' data and cases (:mod:`..verl_runs`: 8 responses to 2 prompts, one fully
 masked, the KL loss and entropy bonus on) run on verl's real ``MegatronEngine``
@@ -9,7 +9,9 @@ update (gathered over tensor and pipeline parallelism into Hugging Face names by
 mbridge's export), the optimizer's state, the normalizers, its round group, the counts
 verl's own engine handed the loss, and any error.
 
-Test-only choices, outside the code under test:
+On CPU (``Job.device='cpu'``, the tests), with these test-only choices, outside the code
+under test (on CUDA, ``scripts/gpu_check_verl_megatron.py``: nccl, no stand-in,
+Megatron-Bridge where it is installed, the same float32 and SGD):
 
 - the CPU stand-ins of :mod:`lossreduce.trainer_worker.cpu_standins.verl.megatron`
   (mbridge's fix, the one Megatron CPU platform, its ``CudaToCpu`` mode), and
