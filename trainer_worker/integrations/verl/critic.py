@@ -135,8 +135,11 @@ class LossReduceCriticWorker(ReducingTrainingWorker):
             raise_problems(
                 [f"critic loss function {loss_fn!r}: only verl's value_loss is supported"],
                 self.reduction_settings,
+                "critic",
             )
-        raise_problems(critic_problems(config, self.reduction_settings), self.reduction_settings)
+        raise_problems(
+            critic_problems(config, self.reduction_settings), self.reduction_settings, "critic"
+        )
         self._critic_config = config
         self.loss_fn = loss_fn
 
@@ -148,12 +151,15 @@ class LossReduceCriticWorker(ReducingTrainingWorker):
             raise_problems(
                 ["use_reduction after the first round: the rounds' names would change"],
                 self.reduction_settings,
+                "critic",
             )
         self.reduction_settings = reduction_settings(block)
+        self._identity = None
         if self._critic_config is not None:
             raise_problems(
                 critic_problems(self._critic_config, self.reduction_settings),
                 self.reduction_settings,
+                "critic",
             )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
@@ -194,7 +200,9 @@ class LossReduceCriticWorker(ReducingTrainingWorker):
         """One critic mini-batch (one optimizer step) normalized by lossreduce."""
         if self._critic_config is None:
             raise_problems(
-                ["no loss function: call set_loss_fn(value_loss) first"], self.reduction_settings
+                ["no loss function: call set_loss_fn(value_loss) first"],
+                self.reduction_settings,
+                "critic",
             )
         step = self.next_round()
         plan, bad = self.plan(data)

@@ -138,12 +138,16 @@ def _aggregation_problems(role: str, config: Any, reduction: PolicyGradientReduc
     return problems
 
 
-def raise_problems(problems: list[str], settings: VerlReductionSettings) -> None:
-    """Raise one :class:`ReductionConfigError` naming every problem, if there is any."""
+def raise_problems(
+    problems: list[str], settings: VerlReductionSettings, role: str = "actor"
+) -> None:
+    """Raise one :class:`ReductionConfigError` naming every problem, if there is any
+    (``role``: the actor's or the critic's)."""
     if problems:
+        mode = settings.mode if role == "actor" else settings.critic_mode
         raise ReductionConfigError(
-            f"lossreduce's verl actor (job {settings.job!r}, mode {settings.mode.value!r}) "
+            f"lossreduce's verl {role} (job {settings.job!r}, mode {mode.value!r}) "
             f"cannot honour: {'; '.join(problems)}",
             job=settings.job,
-            group=settings.group,
+            group=settings.group if role == "actor" else settings.critic_group,
         )

@@ -91,24 +91,22 @@ class LossReducePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
         super()._init_resource_pool_mgr()
         self.role_worker_mapping = actor_worker_mapping(self.role_worker_mapping)
 
-    def _setup(self) -> None:
-        """verl's set-up, then the launch's settings for the critic's ranks (verl builds
-        them from the critic's own config, which has no lossreduce block)."""
-        super()._setup()
-        if self.use_critic:
-            block = OmegaConf.select(self.config, SETTINGS_KEY, default=None)
-            if OmegaConf.is_config(block):
-                block = OmegaConf.to_container(block, resolve=True)
-            self.critic_wg.use_reduction(block)
-
     def _load_checkpoint(self) -> None:
         """verl's resume, then the actor's claim of its (job, group) from the round it
-        sends first (:meth:`LossReduceActorRolloutRefWorker.claim_rounds`): the end of
-        verl's set-up, before any rollout. A launch whose group another run holds stops
-        here with :class:`~lossreduce.errors.RunConflictError` naming the holder."""
+        sends first (:meth:`LossReduceActorRolloutRefWorker.claim_rounds`), and with a
+        critic the critic's claim of its group under the same run: the end of verl's
+        set-up, before any rollout. A launch whose group another run holds stops here with
+        :class:`~lossreduce.errors.RunConflictError` naming the holder."""
         super()._load_checkpoint()
         claims: list[RunClaim] = self.actor_rollout_wg.claim_rounds()
         if self.use_critic:
+            # verl builds the critic's ranks from the critic's own config, which has no
+            # lossreduce block: they get the launch's, under the actor's run (so the same
+            # job), before their first round.
+            block = OmegaConf.select(self.config, SETTINGS_KEY, default=None)
+            if OmegaConf.is_config(block):
+                block = OmegaConf.to_container(block, resolve=True)
+            self.critic_wg.use_reduction({**(block or {}), "run": claims[0].run})
             claims += self.critic_wg.claim_rounds()
         # The launch's log names the run once per group, so a refusal elsewhere can be
         # traced to it.
