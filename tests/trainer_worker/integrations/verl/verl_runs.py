@@ -274,7 +274,31 @@ def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, An
         mini_batch_size=tiny_verl.BATCH // case.mini_batches,
         epochs=case.epochs,
     )
-    before = _params(worker)
+    result = measured_step(
+        worker,
+        data,
+        params=lambda: _params(worker),
+        optimizer_state=lambda: _optimizer_state(worker),
+        label=f"rank {rank}: case {case.name}",
+    )
+    close = getattr(worker, "close", None)
+    if close is not None:
+        close()
+    return result
+
+
+def measured_step(
+    worker: Any,
+    data: Any,
+    *,
+    params: Callable[[], dict[str, torch.Tensor]],
+    optimizer_state: Callable[[], Any],
+    label: str,
+) -> dict[str, Any]:
+    """One ``train_mini_batch`` of ``worker`` (any engine) on ``data``: its metrics or its
+    error, every parameter's update (``params()`` before and after), the optimizer's
+    state, the normalizers, the skipped steps and the round group."""
+    before = params()
     result: dict[str, Any] = {}
     try:
         output = worker.train_mini_batch(data)
@@ -291,17 +315,14 @@ def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, An
         result["traceback"] = traceback.format_exc()
         # Said at once: a rank that fails alone leaves its peers waiting in a collective,
         # and the case's results are saved only once every case has run.
-        print(f"rank {rank}: case {case.name} raised:\n{result['traceback']}", file=sys.stderr)
-    after = _params(worker)
+        print(f"{label} raised:\n{result['traceback']}", file=sys.stderr)
+    after = params()
     result["update"] = {n: after[n] - before[n] for n in before}
-    result["optimizer"] = _optimizer_state(worker)
+    result["optimizer"] = optimizer_state()
     result["normalizers"] = getattr(worker, "last_normalizers", None)
     result["skipped_steps"] = getattr(worker, "skipped_steps", None)
     group = getattr(worker, "_round_group", None)
     result["group"] = None if group is None else group()
-    close = getattr(worker, "close", None)
-    if close is not None:
-        close()
     return result
 
 

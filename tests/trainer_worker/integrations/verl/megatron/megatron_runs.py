@@ -44,6 +44,7 @@ from tests.trainer_worker.integrations.verl.verl_runs import (
     Case,
     batch_of,
     case_loss,
+    measured_step,
     ready_worker,
 )
 
@@ -185,7 +186,6 @@ def run_case(
     from megatron.core import parallel_state as mpu
 
     seen: list[dict[str, Any]] = []
-    result: dict[str, Any] = {}
     try:
         worker = _worker(case, model_dir, layout, seen, vanilla)
     except Exception as err:
@@ -199,28 +199,18 @@ def run_case(
         mini_batch_size=tiny_verl.BATCH // case.mini_batches,
         epochs=case.epochs,
     )
-    before = _params(worker, local=case.role == "critic")
-    try:
-        output = worker.train_mini_batch(data)
-        if output is not None:
-            result["metrics"] = dict(output["metrics"])
-    except Exception as err:
-        result["error"] = {
-            "type": type(err).__name__,
-            "message": str(err),
-            "rank": getattr(err, "rank", None),
-            "ranks": getattr(err, "ranks", ()),
-            "terms": getattr(err, "terms", ()),
-        }
-        result["traceback"] = traceback.format_exc()
-    after = _params(worker, local=case.role == "critic")
-    result["update"] = {n: after[n] - before[n] for n in before}
-    result["optimizer"] = _optimizer_state(worker)
-    result["normalizers"] = getattr(worker, "last_normalizers", None)
+    local = case.role == "critic"
+    result = measured_step(
+        worker,
+        data,
+        params=lambda: _params(worker, local=local),
+        optimizer_state=lambda: _optimizer_state(worker),
+        label=f"case {case.name}",
+    )
     result["verl_counts"] = seen
-    if case.worker != "verl":
-        result["group"] = worker._round_group()
-        worker.close()
+    close = getattr(worker, "close", None)
+    if close is not None:
+        close()
     return result
 
 
