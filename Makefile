@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 # handler is off again: interpreter teardown is where such a crash has shown up.
 export PYTHONFAULTHANDLER ?= 1
 
-.PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-areal test-megatron test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
+.PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-verl-megatron test-areal test-megatron test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
@@ -105,9 +105,46 @@ $(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) 
 
 # verl's `verl-core` extra brings pytest-asyncio, whose plugin warns at start (an error
 # under our filterwarnings) when its loop scope is unset; no test here is async.
+# The Megatron folder runs in its own environment (test-verl-megatron), not skipped here.
 test-verl: $(VERL_VENV)/.installed
 	$(VERL_VENV)/bin/pytest -p no:asyncio tests/trainer_worker/integrations/verl \
-		tests/trainer_worker/train/engines/verl $(PYTEST_ARGS)
+		tests/trainer_worker/train/engines/verl \
+		--ignore=tests/trainer_worker/integrations/verl/megatron $(PYTEST_ARGS)
+
+# verl's Megatron engine (tests/trainer_worker/integrations/verl/megatron) runs in an
+# environment of its own, a verl Megatron user's less its GPU parts, on Python 3.12 (the
+# Megatron environment's): verl's `vllm` extra without vllm, as .venv-verl, plus its `mcore`
+# extra (mbridge) and mbridge's `megatron` extra (Megatron-Core, einops), at the versions
+# pip's resolver picks for `verl[vllm,mcore]==0.9.1 mbridge[megatron]`
+# (constraints/verl-megatron.txt; `verl[megatron]==0.9.1` itself does not resolve: it pins
+# megatron-bridge 0.5.2, which the index does not have), then the documented install of
+# docs/frameworks/verl.md, then the test tools. What a GPU user has and this has not:
+# vllm, Transformer Engine, Apex and flash-attn (CUDA builds), and so Megatron-Bridge, verl's
+# default bridge, which imports Transformer Engine: the tests build the model through mbridge
+# (`vanilla_mbridge=True`) with lossreduce's CPU platform for Megatron
+# (cpu_standins/megatron), and context parallelism, which only Transformer Engine's attention
+# implements, is not run (scripts/gpu_check.sh holds its check). On 2 cores its build takes
+# about 4 minutes (torch's CUDA wheels) and its suite 6 to 8.
+VERL_MEGATRON_VENV        := .venv-verl-megatron
+VERL_MEGATRON_PY          := $(VERL_MEGATRON_VENV)/bin/python
+VERL_MEGATRON_CONSTRAINTS := constraints/verl-megatron.txt
+$(VERL_MEGATRON_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) $(VERL_MEGATRON_CONSTRAINTS)
+	rm -rf $(VERL_MEGATRON_VENV)
+	$(MEGATRON_PYTHON) -m venv $(VERL_MEGATRON_VENV)
+	$(MATRIX_PIP) $(VERL_MEGATRON_PY) -m pip install --quiet --upgrade pip
+	$(MATRIX_PIP) $(PYTHON) $(VERL_INSTALL) --python $(VERL_MEGATRON_PY) \
+		--constraints $(VERL_MEGATRON_CONSTRAINTS) --editable --megatron
+	$(MATRIX_PIP) $(VERL_MEGATRON_PY) -m pip install --quiet -c $(VERL_MEGATRON_CONSTRAINTS) \
+		pytest pytest-timeout hypothesis
+	$(VERL_MEGATRON_PY) -m pip check
+	rm -rf "$$($(VERL_MEGATRON_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
+	$(VERL_MEGATRON_PY) -m pip freeze --all --exclude-editable | grep -Ev '^(lossreduce|pip)==' > $(VERL_MEGATRON_VENV)/freeze.txt
+	grep -v '^#' $(VERL_MEGATRON_CONSTRAINTS) | diff -u - $(VERL_MEGATRON_VENV)/freeze.txt
+	touch $@
+
+test-verl-megatron: $(VERL_MEGATRON_VENV)/.installed
+	$(VERL_MEGATRON_VENV)/bin/pytest -p no:asyncio tests/trainer_worker/integrations/verl/megatron \
+		$(PYTEST_ARGS)
 
 # AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal,
 # and tests/trainer_worker/train/engines/areal: lossreduce train --engine areal)
@@ -217,7 +254,8 @@ test-resolve: $(VENV)/.installed-dev
 # suite.
 test: lint docs typecheck
 	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-resolve
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal test-matrix test-megatron
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal test-matrix test-megatron \
+		test-verl-megatron
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
@@ -227,4 +265,4 @@ bench: $(VENV)/.installed
 	$(BIN)/lossreduce bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(AREAL_VENV) $(MEGATRON_VENV) .venv-floor .venv-ceiling build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(VERL_MEGATRON_VENV) $(AREAL_VENV) $(MEGATRON_VENV) .venv-floor .venv-ceiling build *.egg-info .mypy_cache .ruff_cache .hypothesis

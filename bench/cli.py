@@ -34,6 +34,7 @@ from lossreduce.bench.e2e import (
     run_trl_e2e,
     run_verl_e2e,
     run_verl_main_ppo_e2e,
+    run_verl_megatron_e2e,
     run_verl_statistics_e2e,
 )
 from lossreduce.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
@@ -166,8 +167,9 @@ class BenchSettings(BaseModel):
         description="Also compare a `lossreduce train` step with --normalizer coordinator "
         "against --normalizer torch (runs training in ABBA order), and a TRL GRPO step with "
         "lossreduce's normalizers against TRL's own dapo (skipped without lossreduce[trl]), "
-        "verl's actor step and AReaL's PPO update for each of its engines that is installed "
-        "(FSDP, Archon, Megatron), each against the framework's own.",
+        "verl's actor step for each of its engines that is installed (FSDP2, Megatron) and "
+        "AReaL's PPO update for each of its engines that is installed (FSDP, Archon, "
+        "Megatron), each against the framework's own.",
     )
     e2e_main_ppo: bool = Field(
         default=True,
@@ -371,6 +373,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     e2e = None
     e2e_trl = None
     e2e_verl = None
+    e2e_verl_megatron = None
     e2e_verl_statistics = None
     e2e_main_ppo = None
     e2e_areal = None
@@ -389,6 +392,8 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         e2e_trl = run_trl_e2e()
         print("end to end: a verl actor step, lossreduce normalizers vs verl's token-mean")
         e2e_verl = run_verl_e2e()
+        print("end to end: a verl Megatron actor step, lossreduce vs verl's token-mean")
+        e2e_verl_megatron = run_verl_megatron_e2e()
         print("end to end: verl's kl_cov, its statistic over the mini-batch vs per call")
         e2e_verl_statistics = run_verl_statistics_e2e()
         if settings.e2e_main_ppo:
@@ -411,6 +416,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "e2e": e2e,
         "e2e_trl": e2e_trl,
         "e2e_verl": e2e_verl,
+        "e2e_verl_megatron": e2e_verl_megatron,
         "e2e_verl_statistics": e2e_verl_statistics,
         "e2e_verl_main_ppo": e2e_main_ppo,
         "e2e_areal": e2e_areal,

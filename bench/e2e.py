@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lossreduce.bench.frameworks.areal import ArealBenchSettings
+    from lossreduce.bench.frameworks.verl import VerlBenchSettings
 
 __all__ = [
     "TRL_TARGET_RATIO",
@@ -30,6 +31,7 @@ __all__ = [
     "run_trl_e2e",
     "run_verl_e2e",
     "run_verl_main_ppo_e2e",
+    "run_verl_megatron_e2e",
     "run_verl_statistics_e2e",
     "step_seconds",
 ]
@@ -184,6 +186,28 @@ def run_verl_e2e() -> dict[str, float | int | bool] | None:
     from lossreduce.bench.frameworks.verl import run_verl_bench
 
     return _framework_step("verl", "token-mean", "verl", run_verl_bench())
+
+
+def run_verl_megatron_e2e(
+    workload: VerlBenchSettings | None = None,
+) -> dict[str, float | int | bool] | None:
+    """:func:`run_verl_e2e` on verl's Megatron engine (both workers; ``workload`` with its
+    ``strategy`` replaced), where verl's ``mcore`` packages are installed (megatron-core
+    and mbridge); None, said in one line, where they are not."""
+    if _verl_missing("verl Megatron step"):
+        return None
+    if not _megatron_installed():
+        print(
+            "  verl Megatron step: skipped (needs megatron-core and mbridge: "
+            "docs/frameworks/verl.md, Megatron)",
+            flush=True,
+        )
+        return None
+    from lossreduce.bench.frameworks.verl import VerlBenchSettings, run_verl_bench
+
+    workload = workload or VerlBenchSettings()
+    result = run_verl_bench(workload.model_copy(update={"strategy": "megatron"}))
+    return _framework_step("verl Megatron", "token-mean", "verl", result)
 
 
 def run_verl_statistics_e2e() -> dict[str, float | int] | None:

@@ -27,6 +27,11 @@
 #      parallel 2 against one GPU where two GPUs and Transformer Engine are present
 #      (scripts/gpu_check_megatron.py); runs with MEGATRON_PYTHON (default
 #      .venv-megatron/bin/python), skipped if absent.
+#   5d. verl-megatron-cuda: verl 0.9.1's Megatron engine on CUDA (nccl) under
+#      LossReduceTrainingWorker, every mode against the formulas and token_mean against stock
+#      TrainingWorker on one GPU, and context parallel 2 against one GPU where two GPUs and
+#      Transformer Engine are present (scripts/gpu_check_verl_megatron.py); runs with
+#      VERL_MEGATRON_PYTHON (default .venv-verl-megatron/bin/python), skipped if absent.
 #   6. verl-main-ppo-cuda: verl's own main_ppo with trainer.v1.trainer_mode=lossreduce
 #      (the launch of docs/frameworks/verl.md) on one CUDA rank, generation from
 #      lossreduce's CPU rollout, 3 GRPO steps, one coordinator round per mini-batch
@@ -77,5 +82,12 @@ if [ -x "$MEGATRON_PYTHON" ]; then
   [ -f "$OUT/megatron.json" ] && cat "$OUT/megatron.json"
 else
   echo "SKIP areal-megatron-cuda: no Megatron environment at $MEGATRON_PYTHON"
+fi
+VERL_MEGATRON_PYTHON=${VERL_MEGATRON_PYTHON:-.venv-verl-megatron/bin/python}
+if [ -x "$VERL_MEGATRON_PYTHON" ]; then
+  check verl-megatron-cuda "$VERL_MEGATRON_PYTHON" scripts/gpu_check_verl_megatron.py "$OUT/verl-megatron.json"
+  [ -f "$OUT/verl-megatron.json" ] && cat "$OUT/verl-megatron.json"
+else
+  echo "SKIP verl-megatron-cuda: no verl Megatron environment at $VERL_MEGATRON_PYTHON"
 fi
 exit $failed

@@ -210,12 +210,17 @@ def _module_names_in(path: Path) -> set[str]:
 
 def test_modules_loaded_by_name_exist() -> None:
     """What is imported by a string, not an import statement: the commands of the
-    dispatcher, and the stand-ins verl loads through ``VERL_USE_EXTERNAL_MODULES``."""
+    dispatcher, and the stand-ins verl loads through ``VERL_USE_EXTERNAL_MODULES`` (its
+    CPU platform, the CPU rollout, the Megatron engine's stand-ins)."""
     dispatched = _module_names_in(ROOT / "proto/lossreduce/cli.py")
     assert f"{BENCH}.cli" in dispatched
     assert dispatched - set(MODULES) == set()
     verl_loads = _module_names_in(ROOT / "trainer_worker/cpu_standins/verl/env.py")
-    assert {f"{CPU_STANDINS}.verl.platform", f"{CPU_STANDINS}.verl.rollout"} == verl_loads
+    assert {
+        f"{CPU_STANDINS}.verl.platform",
+        f"{CPU_STANDINS}.verl.rollout",
+        f"{CPU_STANDINS}.verl.megatron",
+    } == verl_loads
     assert verl_loads <= set(MODULES)
 
 

@@ -3,15 +3,19 @@
 Times PPO mini-batch steps (``train_mini_batch``: one optimizer step each) of
 :class:`~lossreduce.trainer_worker.integrations.verl.LossReduceTrainingWorker`
 against the same steps of verl's own ``TrainingWorker`` with ``token-mean``
-(the like-for-like mode), both on verl's FSDP2 engine, in one process, with a
-small Qwen2 built in code and a fixed batch of uneven response lengths. After
-one warm-up step each, steps alternate ABBA one by one, so drift and load hit
-both sides alike, and the medians are compared.
+(the like-for-like mode), both on verl's FSDP2 engine or both on its Megatron engine
+(:attr:`VerlBenchSettings.strategy`), in one process, with a small Qwen2 built in
+code and a fixed batch of uneven response lengths. After one warm-up step each, steps
+alternate ABBA one by one, so drift and load hit both sides alike, and the medians are
+compared.
 
 Without CUDA it runs verl on lossreduce's CPU platform for verl
 (:mod:`lossreduce.trainer_worker.cpu_standins.verl.platform`), selected with
 :data:`~lossreduce.trainer_worker.cpu_standins.verl.env.CPU_ENV` before verl is first
-imported (:func:`run_verl_bench` does that when verl is not imported yet).
+imported (:func:`run_verl_bench` does that when verl is not imported yet), and the
+Megatron engine on the CPU stand-ins of
+:mod:`lossreduce.trainer_worker.cpu_standins.verl.megatron` (packed rows, the model
+built through mbridge, bfloat16 parameters as verl's Megatron engine has them).
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ class VerlBenchSettings(BaseModel):
         description="lossreduce's statistics scope for such a loss (VerlReductionSettings).",
     )
     seed: int = Field(default=0, description="Seed of the model weights and the batch.")
+    strategy: Literal["fsdp2", "megatron"] = Field(
+        default="fsdp2",
+        description="verl's engine of both workers: 'fsdp2', or 'megatron' (needs "
+        "megatron-core and mbridge, verl's mcore extra).",
+    )
 
 
 @dataclass(frozen=True)
@@ -159,29 +168,33 @@ def _batch(settings: VerlBenchSettings) -> Any:
     return td
 
 
-def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> Any:
-    from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.config import (
-        ActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        PolicyLossConfig,
-        TrainingWorkerConfig,
-    )
-    from verl.workers.engine_workers import TrainingWorker
-    from verl.workers.utils.losses import ppo_loss
+def _engine(settings: VerlBenchSettings, model_dir: Path) -> dict[str, Any]:
+    """The model, engine and optimizer configs of :attr:`VerlBenchSettings.strategy`."""
+    from verl.workers.config import HFModelConfig
 
-    from lossreduce.trainer_worker.integrations.verl.worker import LossReduceTrainingWorker
+    if settings.strategy == "megatron":
+        from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
 
-    config = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=HFModelConfig(
+        return {
+            "model_config": HFModelConfig(path=str(model_dir), use_remove_padding=True),
+            "engine_config": McoreEngineConfig(
+                vanilla_mbridge=True,  # Megatron-Bridge imports Transformer Engine (CUDA)
+                use_dynamic_bsz=False,
+                micro_batch_size_per_gpu=settings.micro_batch_size,
+            ),
+            "optimizer_config": McoreOptimizerConfig(
+                lr=1e-4, total_training_steps=10**6, lr_decay_style="constant"
+            ),
+        }
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
+
+    return {
+        "model_config": HFModelConfig(
             path=str(model_dir),
             use_remove_padding=False,
             override_config={"attn_implementation": "eager"},
         ),
-        engine_config=FSDPEngineConfig(
+        "engine_config": FSDPEngineConfig(
             strategy="fsdp2",
             model_dtype="fp32",
             mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
@@ -189,11 +202,25 @@ def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> A
             use_dynamic_bsz=False,
             micro_batch_size_per_gpu=settings.micro_batch_size,
         ),
-        optimizer_config=FSDPOptimizerConfig(lr=1e-4),
+        "optimizer_config": FSDPOptimizerConfig(lr=1e-4),
+    }
+
+
+def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> Any:
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import ActorConfig, PolicyLossConfig, TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    from lossreduce.trainer_worker.integrations.verl.worker import LossReduceTrainingWorker
+
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        **_engine(settings, model_dir),
         checkpoint_config=CheckpointConfig(),
     )
     actor = ActorConfig(
-        strategy="fsdp2",
+        strategy=settings.strategy,
         ppo_mini_batch_size=settings.responses,
         ppo_micro_batch_size_per_gpu=settings.micro_batch_size,
         rollout_n=1,
@@ -239,6 +266,9 @@ def run_verl_bench(settings: VerlBenchSettings | None = None) -> VerlBenchResult
     if not torch.cuda.is_available() and "verl" not in sys.modules:
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
+    if settings.strategy == "megatron" and not torch.cuda.is_available():
+        # verl's Megatron engine on the CPU stand-ins (installed on import).
+        import lossreduce.trainer_worker.cpu_standins.verl.megatron  # noqa: F401
     owned = _init_process_group()
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
@@ -257,6 +287,10 @@ def run_verl_bench(settings: VerlBenchSettings | None = None) -> VerlBenchResult
                     workers[ours].train_mini_batch(batch.clone())
                     times[ours].append(time.perf_counter() - started)
     finally:
+        if settings.strategy == "megatron":
+            from megatron.core import parallel_state as mpu
+
+            mpu.destroy_model_parallel()
         if owned:
             torch.distributed.destroy_process_group()
     return VerlBenchResult(

@@ -3,11 +3,12 @@ trains without a GPU (the tests; on a GPU, only its layer spec is of use, where
 Transformer Engine is not installed: ``scripts/gpu_check_megatron.py``).
 
 A Megatron-Core GPT model built by mbridge, and an engine written for CUDA around it,
-meet CUDA in four places; each is redirected here without changing a file of the
-framework, mbridge or Megatron-Core. AReaL 1.0.4's ``MegatronEngine`` is the engine
-this is tested with (:mod:`lossreduce.trainer_worker.cpu_standins.areal.megatron` adds
-AReaL's own version fixes); any other framework's Megatron engine that builds its model
-through mbridge uses this same platform, with its own fixes beside it:
+meet CUDA in five places; each is redirected here without changing a file of the
+framework, mbridge or Megatron-Core. AReaL 1.0.4's ``MegatronEngine`` (Megatron-Core
+0.17.0) and verl 0.9.1's (Megatron-Core 0.19.2) are the engines this is tested with,
+each with its own fixes beside it
+(:mod:`lossreduce.trainer_worker.cpu_standins.areal.megatron`,
+:mod:`lossreduce.trainer_worker.cpu_standins.verl.megatron`):
 
 1. **Devices.** An engine sets ``self.device = torch.device(LOCAL_RANK)`` (AReaL's
    ``initialize``), which is ``cuda:0``, builds the model under ``with self.device:``
@@ -15,7 +16,9 @@ through mbridge uses this same platform, with its own fixes beside it:
    ``model.cuda(torch.cuda.current_device())`` and Megatron-Core allocates its gradient
    buffers on ``torch.cuda.current_device()``. :class:`CudaToCpu`, a torch function
    mode, turns every CUDA device argument of a torch call into the CPU, and
-   ``torch.cuda.current_device`` answers 0 (which the mode maps to the CPU).
+   ``torch.cuda.current_device`` answers the CPU device itself (a backward pass runs
+   inside the mode's handler of ``torch.autograd.backward``, where the mode is off, and
+   sequence parallelism allocates there).
 2. **The RNG tracker.** Megatron-Core's ``CudaRNGStatesTracker`` keeps CUDA
    generator states; :class:`CpuRNGStatesTracker` keeps CPU ones, and forks the
    CPU generator the same way.
@@ -26,6 +29,9 @@ through mbridge uses this same platform, with its own fixes beside it:
 4. **Packed attention.** Engines feed packed sequences (``thd``, ``cu_seqlens``),
    which only Transformer Engine's attention takes; :class:`PackedDotProductAttention`
    masks per packed sequence (what TE's varlen kernel does on a GPU).
+5. **Streams.** Megatron-Core 0.19 waits on ``torch.cuda.current_stream()`` before every
+   gradient reduction and calls ``torch.cuda.synchronize()`` before pipeline sends; both
+   are the CPU's (one stream).
 
 Call :func:`install` in every rank's process before building the engine (after the
 framework's own fixes, if it has any), and run the engine inside :class:`CudaToCpu`.
@@ -121,8 +127,11 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _current_device() -> int:
-    return 0
+def _current_device() -> torch.device:
+    # The CPU itself, not an index: a mode is off while its own handler runs, so a
+    # backward pass (run inside the mode's handler of torch.autograd.backward) allocates
+    # Megatron's buffers (sequence parallelism's reduce-scatter output) unredirected.
+    return _CPU
 
 
 # -- 2. the RNG tracker ------------------------------------------------------------------------
@@ -324,4 +333,9 @@ def install() -> None:
     module docstring); then run the engine inside :class:`CudaToCpu`."""
     mbridge_llm.get_gpt_decoder_block_spec = cpu_decoder_block_spec
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
-    torch.cuda.current_device = _current_device
+    # An index to torch's stubs; a device to the callers, who pass it on as one.
+    torch.cuda.current_device = _current_device  # type: ignore[assignment]
+    # Megatron-Core 0.19 waits on the current CUDA stream before every gradient
+    # reduction and synchronizes before pipeline sends; the CPU has one stream.
+    torch.cuda.current_stream = torch.cpu.current_stream  # type: ignore[assignment]
+    torch.cuda.synchronize = torch.cpu.synchronize

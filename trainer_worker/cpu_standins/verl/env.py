@@ -7,12 +7,14 @@ no verl (the train job reads it before it imports verl).
 
 from __future__ import annotations
 
-__all__ = ["CPU_ENV", "PLATFORM_MODULE", "ROLLOUT_MODULE"]
+__all__ = ["CPU_ENV", "MEGATRON_CPU_ENV", "MEGATRON_MODULE", "PLATFORM_MODULE", "ROLLOUT_MODULE"]
 
 PLATFORM_MODULE = "lossreduce.trainer_worker.cpu_standins.verl.platform"
 """verl's CPU platform (:mod:`.platform`), by the name verl imports it by."""
 ROLLOUT_MODULE = "lossreduce.trainer_worker.cpu_standins.verl.rollout"
 """The CPU rollout (:mod:`.rollout`), by the name verl imports it by."""
+MEGATRON_MODULE = "lossreduce.trainer_worker.cpu_standins.verl.megatron"
+"""verl's Megatron engine on CPU (:mod:`.megatron`), by the name verl imports it by."""
 
 CPU_ENV = {
     "VERL_PLATFORM": "cpu",
@@ -21,3 +23,10 @@ CPU_ENV = {
     "VERL_USE_EXTERNAL_MODULES": PLATFORM_MODULE,
 }
 """What a process needs before it imports verl to run verl's FSDP engine on CPU."""
+
+MEGATRON_CPU_ENV = {
+    **CPU_ENV,
+    "VERL_USE_EXTERNAL_MODULES": f"{PLATFORM_MODULE},{MEGATRON_MODULE}",
+}
+"""What a process needs before it imports verl to run verl's Megatron engine on CPU
+(verl registers it for cuda, as its FSDP engine)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV, ROLLOUT_MODULE
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV, MEGATRON_MODULE, ROLLOUT_MODULE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -35,6 +35,7 @@ __all__ = [
     "Inputs",
     "Launch",
     "critic_overrides",
+    "engine_overrides",
     "launch_env",
     "logged_steps",
     "main_ppo_env",
@@ -179,6 +180,35 @@ def write_inputs(folder: Path, *, critic: bool = False) -> Inputs:
     return Inputs(model=model, train=train, reward=reward, value_model=value_model)
 
 
+def engine_overrides(strategy: str = "fsdp2") -> list[str]:
+    """The actor's and the reference policy's engine: verl's FSDP2 with eager attention
+    on padded rows, or its Megatron engine (``strategy='megatron'``: verl's
+    ``model_engine=megatron`` configs, packed rows, the model built through mbridge,
+    which verl calls its legacy bridge: its default, Megatron-Bridge, imports Transformer
+    Engine)."""
+    if strategy == "megatron":
+        return [
+            "model_engine=megatron",
+            "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.model.use_remove_padding=True",
+            "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
+        ]
+    return [
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        f"actor_rollout_ref.actor.strategy={strategy}",
+    ]
+
+
+def _fsdp_precision(strategy: str) -> list[str]:
+    if strategy == "megatron":
+        return []  # verl's Megatron engine trains bfloat16 parameters (fp32 optimizer state)
+    return [
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
+    ]
+
+
 def overrides(
     inputs: Inputs,
     *,
@@ -186,10 +216,12 @@ def overrides(
     steps: int = STEPS,
     mini_batch_size: int = 2,
     cuda: bool = False,
+    strategy: str = "fsdp2",
 ) -> list[str]:
     """The run's Hydra overrides (data, model, sizes) without the trainer mode: on 2 CPU
-    ranks, or with ``cuda`` on one GPU (scripts/gpu_check.sh). With a value model in
-    ``inputs``: PPO with a critic (GAE advantages) instead of GRPO."""
+    ranks, or with ``cuda`` on one GPU (scripts/gpu_check.sh); the actor's engine is
+    :func:`engine_overrides` of ``strategy``. With a value model in ``inputs``: PPO with a
+    critic (GAE advantages) instead of GRPO."""
     return [
         "algorithm.adv_estimator=" + ("grpo" if inputs.value_model is None else "gae"),
         f"data.train_files={inputs.train}",
@@ -201,16 +233,13 @@ def overrides(
         "data.shuffle=False",
         f"data.seed={seed}",
         f"actor_rollout_ref.model.path={inputs.model}",
-        "actor_rollout_ref.model.use_remove_padding=False",
-        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
-        "actor_rollout_ref.actor.strategy=fsdp2",
+        *engine_overrides(strategy),
         # Prompts per mini-batch (optimizer step): 2, two mini-batches a training step.
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch_size}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.optim.lr=1e-2",
-        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
-        "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
+        *_fsdp_precision(strategy),
         "actor_rollout_ref.rollout.name=cpu",
         "actor_rollout_ref.rollout.n=2",
         # One rollout replica for both ranks (the CPU server does not shard): one server
@@ -262,11 +291,15 @@ def critic_overrides(value_model: Path) -> list[str]:
     ]
 
 
-def launch_env(*, cuda: bool = False) -> dict[str, str]:
-    """The environment a launch sets: the CPU rollout, and on CPU verl's CPU platform."""
+def launch_env(*, cuda: bool = False, megatron: bool = False) -> dict[str, str]:
+    """The environment a launch sets: the CPU rollout, and on CPU verl's CPU platform
+    (and with ``megatron`` the stand-ins of verl's Megatron engine)."""
     if cuda:
         return {"VERL_USE_EXTERNAL_MODULES": ROLLOUT_MODULE}
-    return dict(CPU_LAUNCH_ENV)
+    env = dict(CPU_LAUNCH_ENV)
+    if megatron:
+        env["VERL_USE_EXTERNAL_MODULES"] += f",{MEGATRON_MODULE}"
+    return env
 
 
 @dataclass(frozen=True)
@@ -283,14 +316,14 @@ class Launch:
         return sorted(int(s["step"]) for s in self.steps)
 
 
-def main_ppo_env(metrics: Path, *, cuda: bool = False) -> dict[str, str]:
+def main_ppo_env(metrics: Path, *, cuda: bool = False, megatron: bool = False) -> dict[str, str]:
     """The environment of a ``main_ppo`` process: this one's, the launch's
     (:func:`launch_env`), quiet logs, no hub, and verl's file logger writing to ``metrics``.
     Without ``RAY_ADDRESS``: the launch starts a Ray of its own, as ``python -m
     verl.trainer.main_ppo`` does."""
     env = {
         **os.environ,
-        **launch_env(cuda=cuda),
+        **launch_env(cuda=cuda, megatron=megatron),
         "VERL_LOGGING_LEVEL": "ERROR",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -313,15 +346,21 @@ def logged_steps(metrics: Path) -> list[dict[str, Any]]:
 
 
 def run_main_ppo(
-    folder: Path, args: list[str], timeout: float = 600, *, cuda: bool = False
+    folder: Path,
+    args: list[str],
+    timeout: float = 600,
+    *,
+    cuda: bool = False,
+    megatron: bool = False,
 ) -> Launch:
     """``python -m verl.trainer.main_ppo *args`` in a fresh process (its own local Ray),
-    in ``folder``, verl's file logger writing to ``folder/metrics.jsonl``."""
+    in ``folder``, verl's file logger writing to ``folder/metrics.jsonl`` (``megatron``:
+    with the stand-ins of verl's Megatron engine on CPU)."""
     metrics = folder / "metrics.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", *args],
         cwd=folder,
-        env=main_ppo_env(metrics, cuda=cuda),
+        env=main_ppo_env(metrics, cuda=cuda, megatron=megatron),
         capture_output=True,
         text=True,
         timeout=timeout,

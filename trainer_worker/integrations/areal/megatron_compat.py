@@ -8,7 +8,8 @@ released; each stop below is what the CPU tests met, and none depends on the CPU
    Transformer Engine unconditionally (``ModuleNotFoundError: No module named
    'transformer_engine'`` where TE is absent; TE's torch extension is a CUDA build).
 2. mbridge's ``get_model`` names ``ModelType.encoder_and_decoder``, which
-   Megatron-Core 0.17.0 removed (``AttributeError``).
+   Megatron-Core 0.17.0 removed (``AttributeError``): the fix every framework's
+   mbridge build needs, :mod:`lossreduce.trainer_worker.integrations.mbridge_compat`.
 3. mbridge reads ``hf_config.rope_theta``, which transformers 5 keeps in
    ``rope_parameters`` (``AttributeError: 'Qwen2Config' object has no attribute
    'rope_theta'``).
@@ -29,7 +30,8 @@ import types
 from typing import Any
 
 import mbridge.core.llm_bridge as mbridge_llm
-import mbridge.core.util as mbridge_util
+
+from lossreduce.trainer_worker.integrations import mbridge_compat
 
 __all__ = ["install"]
 
@@ -79,23 +81,6 @@ def _megatron_bridge_stand_in() -> None:
 # -- mbridge 0.15.1 against Megatron-Core 0.17.0 ------------------------------------------------
 
 
-def _mbridge_model_types() -> None:
-    """mbridge 0.15.1's ``get_model`` compares with ``ModelType.encoder_and_decoder``,
-    a member Megatron-Core 0.17.0 removed (its ``ModelType`` keeps only
-    ``encoder_or_decoder``): every ``MegatronEngine.initialize`` of AReaL's pinned
-    ``[megatron]`` extra stops there with AttributeError, on a GPU too. mbridge's
-    ``util`` module gets a ``ModelType`` with both names; the one it builds models
-    with is Megatron-Core's own member."""
-    from megatron.core.enums import ModelType
-
-    if hasattr(ModelType, "encoder_and_decoder"):
-        return
-    mbridge_util.ModelType = types.SimpleNamespace(
-        encoder_or_decoder=ModelType.encoder_or_decoder,
-        encoder_and_decoder=object(),  # equal to no model type Megatron-Core has
-    )
-
-
 _gptmodel_args = mbridge_llm.LLMBridge._get_gptmodel_args
 
 
@@ -138,6 +123,6 @@ def _float32_bridge() -> None:
 def install() -> None:
     """Apply the four fixes of the module docstring to this process (idempotent)."""
     _megatron_bridge_stand_in()
-    _mbridge_model_types()
+    mbridge_compat.install()
     mbridge_llm.LLMBridge._get_gptmodel_args = _gptmodel_args_with_rope_theta
     _float32_bridge()

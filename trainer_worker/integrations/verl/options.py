@@ -27,8 +27,11 @@ __all__ = [
     "raise_problems",
 ]
 
-SUPPORTED_STRATEGIES = frozenset({"fsdp", "fsdp2"})
-"""verl engine strategies tested with this worker (Megatron and VeOmni are not)."""
+SUPPORTED_STRATEGIES = frozenset({"fsdp", "fsdp2", "megatron"})
+"""verl engine strategies whose loss scaling lossreduce's micro-batch loss undoes: each
+micro-batch's loss reaches backward as the loss function returned it (FSDP; Megatron's
+pipeline schedule divides by the micro-batch count verl's engine multiplied in) and
+gradients are averaged over the engine's data-parallel group."""
 
 VERL_EQUIVALENT: dict[PolicyGradientMode, str | None] = {
     PolicyGradientMode.TOKEN_MEAN: "token-mean",
@@ -49,8 +52,12 @@ def engine_problems(engine_config: Any, role: str = "actor") -> list[str]:
     strategy = getattr(engine_config, "strategy", None)
     if strategy not in SUPPORTED_STRATEGIES:
         return [
-            f"{role}.strategy={strategy!r}: only verl's FSDP engines "
-            f"({', '.join(sorted(SUPPORTED_STRATEGIES))}) are tested with lossreduce"
+            f"{role}.strategy={strategy!r}: lossreduce's micro-batch loss (data-parallel "
+            "size x the micro-batch's sum / the global normalizer) is the formula's share only "
+            "where backward sees that loss unscaled and gradients are averaged over the "
+            "engine's data-parallel group, as in verl's "
+            f"{', '.join(repr(s) for s in sorted(SUPPORTED_STRATEGIES))} engines; "
+            f"{strategy!r} scales and reduces them in code of its own"
         ]
     return []
 

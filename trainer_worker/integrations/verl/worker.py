@@ -71,6 +71,7 @@ from lossreduce.trainer_worker.integrations.verl.loss import (
     padded,
 )
 from lossreduce.trainer_worker.integrations.verl.options import actor_problems, raise_problems
+from lossreduce.trainer_worker.integrations.verl.parallel import computes_loss
 from lossreduce.trainer_worker.integrations.verl.plan import (
     POLICY_TERM,
     MiniBatchPlan,
@@ -194,7 +195,10 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
         ):
             return None
         mask = padded(data["response_mask"]).bool().cpu()  # [B, R]
-        log_prob = self._current_log_probs(data).cpu()  # [B, R]
+        current = self._current_log_probs(data)
+        if current is None:
+            return None  # a Megatron pipeline stage before the last: no loss here
+        log_prob = current.cpu()  # [B, R]
         rank, world = self.data_parallel()
         _, job = self.identity()
         place = StatsPlace(
@@ -217,15 +221,19 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
             row_ids=rank * rows + torch.arange(rows, dtype=torch.int64),
         )
 
-    def _current_log_probs(self, data: Any) -> torch.Tensor:
+    def _current_log_probs(self, data: Any) -> torch.Tensor | None:
         """``[B, R]`` log-probabilities of the mini-batch's responses under the current
-        weights: a no-grad forward through verl's engine, micro-batched as training is."""
+        weights: a no-grad forward through verl's engine, micro-batched as training is.
+        None where the engine computes no loss (Megatron's pipeline stages before the
+        last, which run the forward with it and hold no log-probabilities)."""
         probe = data.copy()
         tu.assign_non_tensor(probe, calculate_entropy=False, **self._engine_keys(probe))
         with torch.no_grad():
             output = self.engine.forward_backward_batch(
                 probe, loss_function=None, forward_only=True
             )
+        if not computes_loss(self.engine):
+            return None
         log_probs: torch.Tensor = no_padding_2_padding(output["model_output"]["log_probs"], data)
         return log_probs.detach().float()
 

@@ -31,6 +31,7 @@ from lossreduce.errors import (
 )
 from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.verl.options import engine_problems, raise_problems
+from lossreduce.trainer_worker.integrations.verl.parallel import round_suffix
 from lossreduce.trainer_worker.integrations.verl.plan import group_ids
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 from lossreduce.trainer_worker.normalizers import (
@@ -153,11 +154,9 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         return self.engine.get_data_parallel_rank(), self.engine.get_data_parallel_size()
 
     def _round_group(self, suffix: str = "") -> str:
-        # Ranks of one sequence-parallel group hold the same rows: each index within
-        # such a group reduces over the data-parallel ranks in a round of its own.
-        mesh = getattr(self.engine, "ulysses_device_mesh", None)
-        group = self.base_group() + suffix
-        return group if mesh is None else f"{group}.sp{mesh['sp'].get_local_rank()}"
+        # Ranks that hold the same rows (a Ulysses group, Megatron's model-parallel
+        # ranks): each position reduces over the data-parallel ranks in a round of its own.
+        return self.base_group() + suffix + round_suffix(self.engine)
 
     def _make_normalizer(self, suffix: str) -> GlobalNormalizer:
         settings = self.reduction_settings

@@ -31,6 +31,7 @@ __all__ = [
     "CONSTRAINTS",
     "DOCS_PAGE",
     "MARKER",
+    "MEGATRON_ENVIRONMENT",
     "VERL_ENVIRONMENT",
     "documented_commands",
     "install",
@@ -55,6 +56,12 @@ VERL_ENVIRONMENT = (
 """verl 0.9.1's ``vllm`` extra less ``vllm``: ``verl[verl-core]`` and the pins the extra
 adds (torch 2.11.0, torchvision 0.26.0, torchaudio 2.11.0, transformers 5.9.0) plus
 mbridge; the versions come from the constraints file."""
+
+MEGATRON_ENVIRONMENT = (*VERL_ENVIRONMENT, "mbridge[megatron]")
+"""A verl Megatron user's environment without its GPU parts: :data:`VERL_ENVIRONMENT`
+(whose mbridge is verl's ``mcore`` extra) and Megatron-Core, which no verl extra that
+resolves brings (``verl[megatron]==0.9.1`` pins megatron-bridge 0.5.2, which the index
+does not have). Transformer Engine and vllm, CUDA builds, are left out."""
 
 
 class DocumentedInstallError(ValueError):
@@ -95,20 +102,28 @@ def localized(
     return [str(python), "-m", "pip", "install", "--quiet", *args]
 
 
-def install_verl_environment(python: Path, constraints: Path = CONSTRAINTS) -> None:
-    """The environment a ``verl[vllm]==0.9.1`` user has, without vllm: the page's start."""
+def install_verl_environment(
+    python: Path, constraints: Path = CONSTRAINTS, environment: tuple[str, ...] = VERL_ENVIRONMENT
+) -> None:
+    """The environment a ``verl[vllm]==0.9.1`` user has, without vllm: the page's start
+    (``environment``: :data:`MEGATRON_ENVIRONMENT` for verl's Megatron engine)."""
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "-c", str(constraints),
-         *VERL_ENVIRONMENT],
+        [str(python), "-m", "pip", "install", "--quiet", "-c", str(constraints), *environment],
         check=True,
-    )  # fmt: skip
+    )
 
 
-def install(python: Path, editable: bool = False, constraints: Path | None = None) -> None:
+def install(
+    python: Path,
+    editable: bool = False,
+    constraints: Path | None = None,
+    environment: tuple[str, ...] = VERL_ENVIRONMENT,
+) -> None:
     """Run every documented command into the environment of ``python``.
 
-    With ``constraints``, the verl environment the page starts from is installed first
-    (:func:`install_verl_environment`) and every command runs under the same pins.
+    With ``constraints``, the verl environment the page starts from (``environment``)
+    is installed first (:func:`install_verl_environment`) and every command runs under
+    the same pins.
     """
     commands = documented_commands()
     if not any(PACKAGE in command for command in commands):
@@ -116,7 +131,7 @@ def install(python: Path, editable: bool = False, constraints: Path | None = Non
             f"{DOCS_PAGE.name}: the install block never installs {PACKAGE!r}"
         )
     if constraints is not None:
-        install_verl_environment(python, constraints)
+        install_verl_environment(python, constraints, environment)
     for command in commands:
         subprocess.run(localized(command, python, editable, constraints), check=True)
 
@@ -135,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the verl[vllm] resolution's versions: install verl's environment from them "
         "first, then the documented commands under the same pins",
     )
+    parser.add_argument(
+        "--megatron",
+        action="store_true",
+        help="start from a verl Megatron user's environment (megatron-core added)",
+    )
     options = parser.parse_args(argv)
-    install(options.python, options.editable, options.constraints)
+    environment = MEGATRON_ENVIRONMENT if options.megatron else VERL_ENVIRONMENT
+    install(options.python, options.editable, options.constraints, environment)
     return 0
 
 

@@ -104,12 +104,14 @@ def test_a_loss_scale_factor_other_than_the_divisor_is_refused() -> None:
     assert actor_problems(actor(loss_scale_factor=5), settings(mode="constant", divisor=5)) == []
 
 
-def test_megatron_is_refused_naming_the_role_and_the_option() -> None:
-    (problem,) = engine_problems(type("Engine", (), {"strategy": "megatron"})())
-    assert "actor.strategy='megatron'" in problem
-    (problem,) = engine_problems(type("Engine", (), {"strategy": "megatron"})(), "critic")
-    assert "critic.strategy='megatron'" in problem
-    assert engine_problems(type("Engine", (), {"strategy": "fsdp2"})()) == []
+def test_an_engine_of_its_own_scaling_is_refused_naming_the_role_and_the_option() -> None:
+    (problem,) = engine_problems(type("Engine", (), {"strategy": "veomni"})())
+    assert "actor.strategy='veomni'" in problem
+    assert "averaged over the engine's data-parallel group" in problem
+    (problem,) = engine_problems(type("Engine", (), {"strategy": "torchtitan"})(), "critic")
+    assert "critic.strategy='torchtitan'" in problem
+    for strategy in ("fsdp", "fsdp2", "megatron"):
+        assert engine_problems(type("Engine", (), {"strategy": strategy})()) == []
 
 
 # -- verl's policy losses ------------------------------------------------------------------

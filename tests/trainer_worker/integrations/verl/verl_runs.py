@@ -58,6 +58,17 @@ def prepare_test_process() -> None:
         warnings.filterwarnings(
             "ignore", message="Ray state API is no longer experimental", category=DeprecationWarning
         )
+        # Where Megatron-Core is installed (make test-verl-megatron), verl imports its
+        # engine: Megatron warns of the absent Transformer Engine and Apex and of its own
+        # deprecations.
+        warnings.filterwarnings(
+            "ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed"
+        )
+        warnings.filterwarnings(
+            "ignore",
+            message=r"(The following imports from `dynamic_context\.py`|`torch\.jit\.script_method`)",
+            category=DeprecationWarning,
+        )
         import verl.workers.engine_workers  # noqa: F401
 
 
@@ -86,6 +97,7 @@ class Case:
     role: str = "actor"  # or "critic": the value model and verl's value_loss
     seed: int = 0  # torch's seed before the worker is built (verl's own clip_cov draw)
     job: str | None = None  # the rounds' job; None: test-<name>
+    ulysses: int = 1  # ulysses_sequence_parallel_size (> 1: packed rows, the CPU stand-ins)
 
 
 def batch_of(case: Case, model_dir: Path) -> tiny_verl.Rows:
@@ -120,23 +132,24 @@ def batch_of(case: Case, model_dir: Path) -> tiny_verl.Rows:
 def _worker(case: Case, model_dir: Path) -> Any:
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import (
-        ActorConfig,
-        CriticConfig,
         FSDPEngineConfig,
         FSDPOptimizerConfig,
         HFModelConfig,
-        PolicyLossConfig,
         TrainingWorkerConfig,
     )
-    from verl.workers.engine_workers import TrainingWorker
-    from verl.workers.utils.losses import ppo_loss, value_loss
 
     critic = case.role == "critic"
     torch.manual_seed(case.seed)
+    attention = "eager"
+    if case.ulysses > 1:
+        from lossreduce.trainer_worker.cpu_standins.verl import ulysses
+
+        ulysses.install()
+        attention = ulysses.ATTENTION
     model = HFModelConfig(
         path=str(model_dir / VALUE_MODEL if critic else model_dir),
-        use_remove_padding=False,
-        override_config={"attn_implementation": "eager"},
+        use_remove_padding=case.ulysses > 1,
+        override_config={"attn_implementation": attention},
     )
     engine = FSDPEngineConfig(
         strategy="fsdp2",
@@ -146,6 +159,7 @@ def _worker(case: Case, model_dir: Path) -> Any:
         micro_batch_size_per_gpu=case.micro,
         max_token_len_per_gpu=20,
         use_dynamic_bsz=case.dynamic,
+        ulysses_sequence_parallel_size=case.ulysses,
     )
     optim = FSDPOptimizerConfig(
         optimizer="SGD" if case.optimizer == "sgd" else "AdamW",
@@ -160,9 +174,18 @@ def _worker(case: Case, model_dir: Path) -> Any:
         optimizer_config=optim,
         checkpoint_config=CheckpointConfig(),
     )
+    return ready_worker(case, config, case_loss(case, "fsdp2"))
+
+
+def case_loss(case: Case, strategy: str) -> Any:
+    """verl's loss function of the case: ``ppo_loss`` with the case's actor config, or
+    ``value_loss`` with its critic config, for an engine of ``strategy``."""
+    from verl.workers.config import ActorConfig, CriticConfig, PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss, value_loss
+
     # What the actor's and the critic's configs share: sizes, layout, aggregation, epochs.
     shared: dict[str, Any] = {
-        "strategy": "fsdp2",
+        "strategy": strategy,
         "ppo_mini_batch_size": tiny_verl.BATCH // case.mini_batches,
         "ppo_micro_batch_size_per_gpu": case.micro,
         "use_dynamic_bsz": case.dynamic,
@@ -172,19 +195,27 @@ def _worker(case: Case, model_dir: Path) -> Any:
         "ppo_epochs": case.epochs,
         "rollout_n": 1,
     }
-    if critic:
-        loss = partial(value_loss, config=CriticConfig(**shared, cliprange_value=CLIPRANGE_VALUE))
-    else:
-        actor = ActorConfig(
-            **shared,
-            use_kl_loss=case.kl,
-            kl_loss_coef=tiny_verl.KL_COEF,
-            kl_loss_type="low_var_kl",
-            entropy_coeff=case.entropy_coeff,
-            clip_ratio=tiny_verl.CLIP,
-            policy_loss=PolicyLossConfig(loss_mode=case.loss_mode, **dict(case.policy_loss)),
-        )
-        loss = partial(ppo_loss, config=actor)
+    if case.role == "critic":
+        return partial(value_loss, config=CriticConfig(**shared, cliprange_value=CLIPRANGE_VALUE))
+    actor = ActorConfig(
+        **shared,
+        use_kl_loss=case.kl,
+        kl_loss_coef=tiny_verl.KL_COEF,
+        kl_loss_type="low_var_kl",
+        entropy_coeff=case.entropy_coeff,
+        clip_ratio=tiny_verl.CLIP,
+        policy_loss=PolicyLossConfig(loss_mode=case.loss_mode, **dict(case.policy_loss)),
+    )
+    return partial(ppo_loss, config=actor)
+
+
+def ready_worker(case: Case, config: Any, loss: Any) -> Any:
+    """The case's worker on ``config`` (any engine): verl's stock ``TrainingWorker``, or
+    ``LossReduceTrainingWorker`` (``LossReduceCriticWorker`` for the critic) with the
+    case's settings, reset and given ``loss``."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    critic = case.role == "critic"
     if case.worker == "verl":
         worker = TrainingWorker(config)
     else:
@@ -238,11 +269,36 @@ def _optimizer_state(worker: Any) -> dict[str, Any]:
 def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, Any]:
     worker = _worker(case, model_dir)
     data = tiny_verl.tensordict(
-        tiny_verl.shard(batch_of(case, model_dir), rank, world),
+        # The ranks of one sequence-parallel group hold the same rows.
+        tiny_verl.shard(batch_of(case, model_dir), rank // case.ulysses, world // case.ulysses),
         mini_batch_size=tiny_verl.BATCH // case.mini_batches,
         epochs=case.epochs,
     )
-    before = _params(worker)
+    result = measured_step(
+        worker,
+        data,
+        params=lambda: _params(worker),
+        optimizer_state=lambda: _optimizer_state(worker),
+        label=f"rank {rank}: case {case.name}",
+    )
+    close = getattr(worker, "close", None)
+    if close is not None:
+        close()
+    return result
+
+
+def measured_step(
+    worker: Any,
+    data: Any,
+    *,
+    params: Callable[[], dict[str, torch.Tensor]],
+    optimizer_state: Callable[[], Any],
+    label: str,
+) -> dict[str, Any]:
+    """One ``train_mini_batch`` of ``worker`` (any engine) on ``data``: its metrics or its
+    error, every parameter's update (``params()`` before and after), the optimizer's
+    state, the normalizers, the skipped steps and the round group."""
+    before = params()
     result: dict[str, Any] = {}
     try:
         output = worker.train_mini_batch(data)
@@ -259,15 +315,14 @@ def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, An
         result["traceback"] = traceback.format_exc()
         # Said at once: a rank that fails alone leaves its peers waiting in a collective,
         # and the case's results are saved only once every case has run.
-        print(f"rank {rank}: case {case.name} raised:\n{result['traceback']}", file=sys.stderr)
-    after = _params(worker)
+        print(f"{label} raised:\n{result['traceback']}", file=sys.stderr)
+    after = params()
     result["update"] = {n: after[n] - before[n] for n in before}
-    result["optimizer"] = _optimizer_state(worker)
+    result["optimizer"] = optimizer_state()
     result["normalizers"] = getattr(worker, "last_normalizers", None)
     result["skipped_steps"] = getattr(worker, "skipped_steps", None)
-    close = getattr(worker, "close", None)
-    if close is not None:
-        close()
+    group = getattr(worker, "_round_group", None)
+    result["group"] = None if group is None else group()
     return result
 
 
