@@ -13,8 +13,8 @@ policy, the FSDP policy update and its checkpoints. What stands in:
   as an external vLLM server, and its weight sender in place of vLLM's NCCL engine;
 - the task: a tiny Qwen2 built from a config, a word-level tokenizer with a chat
   template made here (no hub), a parquet dataset of letter prompts, and a SkyRL-gym
-  environment (:func:`letters_env`, registered as :data:`ENV`) whose reward is the
-  share of the response's letters among :data:`GOOD`.
+  environment (:mod:`.letters_env`) whose reward is the share of the response's
+  letters among :data:`GOOD`.
 
 Metrics go to SkyRL's tensorboard logger (``TENSORBOARD_DIR``), read back by
 :func:`logged_steps`. For CPU runs and tests only; it needs SkyRL's environment.
@@ -44,8 +44,8 @@ __all__ = [
     "WORDS",
     "Inputs",
     "launch_env",
-    "letters_env",
     "logged_steps",
+    "main_base_command",
     "overrides",
     "run_main_base",
     "runtime_env_hook",
@@ -67,8 +67,10 @@ GOOD = "abcdefghijklm"
 """The reward: the share of the response's letters among these (a dense score, so
 GRPO's advantages are not all zero)."""
 ENV = "lossreduce_letters"
-"""The SkyRL-gym environment id of :class:`LettersEnv`."""
+"""The SkyRL-gym environment id of :class:`.letters_env.LettersEnv`."""
 PROMPTS = 12
+"""Three steps of 4 prompts in one epoch (a checkpoint at an epoch's end resumes with an
+exhausted data loader in SkyRL 0.4, which trains nothing more in that epoch)."""
 STEPS = 3
 LOSSREDUCE = [
     "trainer.override_entrypoint=lossreduce.trainer_worker.integrations.skyrl.entrypoint",
@@ -77,6 +79,7 @@ LOSSREDUCE = [
 ]
 """The launch's lossreduce part: the entrypoint, the mode, and the job's own
 coordinator actor (no address)."""
+WEIGHT_SENDERS = "skyrl.backends.skyrl_train.weight_sync.weight_senders"
 SETUP_HOOK = "lossreduce.trainer_worker.cpu_standins.skyrl.launch.worker_setup"
 RUNTIME_ENV_HOOK = "lossreduce.trainer_worker.cpu_standins.skyrl.launch.runtime_env_hook"
 
@@ -151,44 +154,27 @@ def write_inputs(folder: Path, prompts: int = PROMPTS) -> Inputs:
 # -- every worker process -----------------------------------------------------------------
 
 
-def _letters_env() -> type:
-    from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
-
-    class _LettersEnv(BaseTextEnv):  # type: ignore[misc]
-        """One turn: the reward is the share of the response's letters among the
-        ground truth's."""
-
-        def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None):
-            super().__init__()
-            self.good = set((extras or {}).get("reward_spec", {}).get("ground_truth", GOOD))
-
-        def step(self, action: str) -> Any:
-            letters = [c for c in action if c.isalpha() and len(c) == 1]
-            reward = sum(c in self.good for c in letters) / max(len(letters), 1)
-            return BaseTextEnvStepOutput(observations=[], reward=reward, done=True, metadata={})
-
-    return _LettersEnv
-
-
-def letters_env(env_config: Any = None, extras: dict[str, Any] | None = None) -> Any:
-    """:data:`ENV`'s entry point: the environment, its class built on first use so that
-    this module imports without SkyRL-gym."""
-    return _letters_env()(env_config=env_config, extras=extras)
-
-
 def worker_setup() -> None:
     """What every Ray worker process of a CPU launch runs first: the CPU platform, the
     stand-in weight sender in place of vLLM's engine, and the environment."""
-    from skyrl.backends.skyrl_train.weight_sync import weight_senders
-    from skyrl_gym.envs.registration import register, registry
-
-    from lossreduce.trainer_worker.cpu_standins.skyrl.inference import standin_trainer_engine
-    from lossreduce.trainer_worker.cpu_standins.skyrl.platform import install
+    from lossreduce.trainer_worker.cpu_standins.skyrl.platform import after_import, install
 
     install()
+    # Each where it is imported: most of a Ray job's workers import neither.
+    after_import(WEIGHT_SENDERS, _standin_weight_sender)
+    after_import("skyrl_gym", _register_letters_env)
+
+
+def _standin_weight_sender(weight_senders: Any) -> None:
+    from lossreduce.trainer_worker.cpu_standins.skyrl.inference import standin_trainer_engine
+
     weight_senders.build_trainer_engine = standin_trainer_engine
-    if ENV not in registry:
-        register(id=ENV, entry_point=letters_env)
+
+
+def _register_letters_env(_: Any) -> None:
+    from lossreduce.trainer_worker.cpu_standins.skyrl import letters_env
+
+    letters_env.register()
 
 
 def runtime_env_hook(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
@@ -261,17 +247,15 @@ def _wait_for(url: str, server: subprocess.Popen[bytes], timeout_s: float = 120.
     raise TimeoutError(f"the stand-in inference server at {url} did not start in {timeout_s} s")
 
 
-def launch_env(work: Path) -> dict[str, str]:
+def launch_env(tensorboard: Path) -> dict[str, str]:
     """The environment of a CPU launch: a fresh local Ray cluster with 4 CPU "GPUs",
-    the CPU worker setup in every Ray worker, SkyRL's tensorboard log under ``work``."""
+    the CPU worker setup in every Ray worker, SkyRL's tensorboard log in ``tensorboard``."""
     return {
         **os.environ,
         "RAY_ADDRESS": "local",
         "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 16, "GPU": 4}),
         "RAY_RUNTIME_ENV_HOOK": RUNTIME_ENV_HOOK,
-        "RAY_DEDUP_LOGS": "0",
-        "TENSORBOARD_DIR": str(work / "tensorboard"),
-        "SKYRL_DUMP_INFRA_LOG_TO_STDOUT": "0",
+        "TENSORBOARD_DIR": str(tensorboard),
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
@@ -337,14 +321,19 @@ def overrides(
     ]
 
 
+def main_base_command(args: Sequence[str]) -> list[str]:
+    """``python -m skyrl.train.entrypoints.main_base ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "skyrl.train.entrypoints.main_base", *args]
+
+
 def run_main_base(
     args: Sequence[str], work: Path, *, timeout_s: float = 900.0
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m skyrl.train.entrypoints.main_base ARGS`` with :func:`launch_env`."""
-    command = [sys.executable, "-m", "skyrl.train.entrypoints.main_base", *args]
+    """:func:`main_base_command` with :func:`launch_env` (tensorboard log in
+    ``work/tensorboard``), run to its end."""
     return subprocess.run(
-        command,
-        env=launch_env(work),
+        main_base_command(args),
+        env=launch_env(work / "tensorboard"),
         cwd=work,
         capture_output=True,
         text=True,
@@ -353,13 +342,13 @@ def run_main_base(
     )
 
 
-def logged_steps(work: Path) -> dict[int, dict[str, float]]:
-    """Every step's scalars from SkyRL's tensorboard log under ``work`` (the last value
-    logged for a step and key wins)."""
+def logged_steps(tensorboard: Path) -> dict[int, dict[str, float]]:
+    """Every step's scalars from SkyRL's tensorboard log in ``tensorboard`` (the last
+    value logged for a step and key wins)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     steps: dict[int, dict[str, float]] = defaultdict(dict)
-    for events in sorted((work / "tensorboard").glob("events.out.tfevents.*")):
+    for events in sorted(tensorboard.glob("events.out.tfevents.*")):
         accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:

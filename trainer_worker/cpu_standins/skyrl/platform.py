@@ -23,18 +23,21 @@ in the process that runs the worker, without changing a file of SkyRL:
    (``fsdp_utils._sync_non_persistent_buffers``, which allocates on ``"cuda"``) runs on
    CPU tensors.
 
-:func:`install` applies all of it once per process. A Ray job gets it in every worker
-process through :func:`runtime_env_hook` (``RAY_RUNTIME_ENV_HOOK``, read by
-``ray.init``), which adds :func:`install` as the job's ``worker_process_setup_hook``.
-Only CPU-only runs need it; a GPU run never imports it. It imports SkyRL lazily, inside
-:func:`install`.
+:func:`install` applies all of it once per process; the SkyRL modules it changes are
+changed when they are first imported (:func:`after_import`), so that a process that
+never imports them (most of a Ray job's workers) pays nothing for them. The CPU
+launch (:mod:`.launch`) runs it in every Ray worker process. Only CPU-only runs need
+it; a GPU run never imports it. It imports no SkyRL itself.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -42,18 +45,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "RUNTIME_ENV_HOOK",
-    "SETUP_HOOK",
     "FlashAttentionKernelMissingError",
+    "after_import",
     "install",
     "installed",
-    "runtime_env_hook",
 ]
 
-SETUP_HOOK = "lossreduce.trainer_worker.cpu_standins.skyrl.platform.install"
-""":func:`install` by the name Ray's ``worker_process_setup_hook`` imports it by."""
-RUNTIME_ENV_HOOK = "lossreduce.trainer_worker.cpu_standins.skyrl.platform.runtime_env_hook"
-"""The value of ``RAY_RUNTIME_ENV_HOOK`` that installs this platform in a Ray job."""
+FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
 
 _STATE = {"installed": False}
 
@@ -77,26 +75,50 @@ def install() -> None:
     _standin_flash_attention_kernels()
     _cpu_devices()
     _gloo_collectives()
-    from skyrl.backends.skyrl_train.distributed import fsdp_utils
-
-    fsdp_utils._sync_non_persistent_buffers = _broadcast_non_persistent_buffers
-    fsdp_utils.init_device_mesh = _cpu_mesh(fsdp_utils.init_device_mesh)
+    after_import(FSDP_UTILS, _cpu_fsdp_utils)
     _STATE["installed"] = True
 
 
-def runtime_env_hook(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
-    """Ray's ``RAY_RUNTIME_ENV_HOOK``: the job's runtime env with :func:`install` as its
-    ``worker_process_setup_hook``, so that every worker process of the job (the
-    trainer's entrypoint, the policy and reference workers) runs on this platform."""
-    env = dict(runtime_env or {})
-    if env.get("worker_process_setup_hook") not in (None, SETUP_HOOK):
-        raise ValueError(
-            "runtime_env already names a worker_process_setup_hook "
-            f"({env['worker_process_setup_hook']!r}); SkyRL's CPU platform needs its own "
-            f"({SETUP_HOOK!r})"
-        )
-    env["worker_process_setup_hook"] = SETUP_HOOK
-    return env
+def _cpu_fsdp_utils(fsdp_utils: types.ModuleType) -> None:
+    fsdp_utils._sync_non_persistent_buffers = _broadcast_non_persistent_buffers  # type: ignore[attr-defined]
+    fsdp_utils.init_device_mesh = _cpu_mesh(fsdp_utils.init_device_mesh)  # type: ignore[attr-defined]
+
+
+def after_import(name: str, patch: Callable[[types.ModuleType], None]) -> None:
+    """Call ``patch(module)`` once module ``name`` has been imported: now if it has,
+    else right after its code runs (a ``sys.meta_path`` finder wraps its loader)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        patch(module)
+        return
+    sys.meta_path.insert(0, _AfterImport(name, patch))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: asks the other finders for ``name`` and wraps the loader."""
+
+    def __init__(self, name: str, patch: Callable[[types.ModuleType], None]) -> None:
+        self.name = name
+        self.patch = patch
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+        patch = self.patch
+
+        def exec_module(module: types.ModuleType) -> None:
+            load(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
 
 # -- 1. flash-attn --------------------------------------------------------------------
