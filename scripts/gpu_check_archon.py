@@ -3,7 +3,7 @@
 Run by scripts/gpu_check.sh (``areal-archon-cuda``) with the AReaL environment's
 Python on a machine with a GPU; it has not been run in this project (no GPU was
 lent). On CPU the tests run Archon with ``sdpa`` attention
-(``lossreduce.trainer_worker.integrations.areal.archon_cpu``), because its default
+(``lossreduce.trainer_worker.cpu_standins.areal.archon``), because its default
 ``varlen`` attention is a flash-attention kernel with no CPU implementation; this
 check runs that default. It launches ``grpo_launch.py`` the way
 ``test_areal_trainer_loop.py`` does, on one CUDA rank (``actor.backend=archon:d1``,

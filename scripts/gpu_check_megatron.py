@@ -6,7 +6,8 @@ machine with a GPU; it has not been run in this project (no GPU was lent). It ru
 the CPU tests' cases (tests/trainer_worker/integrations/areal/megatron) on CUDA with
 nccl and the version fixes of ``megatron_compat`` only, no CPU platform: Transformer
 Engine's layer spec and varlen attention where TE is installed, Megatron-Core's local
-modules (``megatron_cpu.cpu_decoder_block_spec``) where it is not.
+modules (``cpu_decoder_block_spec`` of
+``lossreduce.trainer_worker.cpu_standins.megatron.platform``) where it is not.
 
 - ``dp1``: one GPU; every mode, ``token_mean`` against stock ``MegatronPPOActor``
   (SGD's step, clipping off), each compared with the formulas of

@@ -37,7 +37,7 @@ def main(out: Path) -> int:
     os.environ["MASTER_PORT"] = str(free_port())
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    from lossreduce.trainer_worker.integrations.verl import cpu_launch
+    from lossreduce.trainer_worker.cpu_standins.verl import launch as cpu_launch
     from tests.trainer_worker.integrations.verl import tiny_verl, verl_runs
 
     def one(case: verl_runs.Case, model_dir: Path) -> dict[str, object]:

@@ -3,8 +3,9 @@
 Run by scripts/gpu_check.sh (``verl-main-ppo-cuda``) with verl's environment
 (``PYTHON``, default ``.venv-verl/bin/python``) on a machine with a GPU; it has not
 been run in this project (no GPU was lent). It is the launch of
-``test_main_ppo.py`` (docs/frameworks/verl.md; :mod:`lossreduce.trainer_worker.integrations.verl.cpu_launch`) on one CUDA rank with verl's own CUDA
-platform (nccl), generation still from lossreduce's CPU rollout, 3 GRPO steps,
+``test_main_ppo.py`` (docs/frameworks/verl.md;
+:mod:`lossreduce.trainer_worker.cpu_standins.verl.launch`) on one CUDA rank with verl's
+own CUDA platform (nccl), generation still from lossreduce's CPU rollout, 3 GRPO steps,
 ``prompt_mean`` through the job's coordinator actor. It writes a JSON summary to the
 path given (each step's round span, normalizers and gradient norm) and exits
 non-zero unless every mini-batch had its round.
@@ -17,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lossreduce.trainer_worker.integrations.verl import cpu_launch as launch
+from lossreduce.trainer_worker.cpu_standins.verl import launch
 
 MINI_BATCHES = 2  # data.train_batch_size / actor.ppo_mini_batch_size
 

@@ -131,7 +131,7 @@ def test_every_test_the_docs_cite_exists() -> None:
 @pytest.mark.parametrize(
     ("copy", "original"),
     [
-        ("docs/assets/bench_plot.png", "server/bench/bench_plot.png"),
+        ("docs/assets/bench_plot.png", "bench/bench_plot.png"),
         ("docs/assets/demo_plot.png", "trainer_worker/train/demo_plot.png"),
     ],
 )

@@ -29,9 +29,12 @@ def mentioned_names() -> set[str]:
 FRAMEWORK_PACKAGES = {
     "lossreduce.trainer_worker.integrations.verl": ROOT / "trainer_worker/integrations/verl",
     "lossreduce.trainer_worker.integrations.areal": ROOT / "trainer_worker/integrations/areal",
+    "lossreduce.trainer_worker.cpu_standins": ROOT / "trainer_worker/cpu_standins",
+    "lossreduce.bench.frameworks": ROOT / "bench/frameworks",
 }
-"""Integrations whose framework has an environment of its own (not this one): their
-names are looked up in the source instead of imported."""
+"""Packages that need a framework with an environment of its own (not this one): the
+verl and AReaL integrations, the CPU stand-ins and the framework benches. Their names
+are looked up in the source instead of imported."""
 
 
 def _defined_at_top(path: Path) -> set[str]:
@@ -101,7 +104,10 @@ def test_exists_tells_real_names_from_made_up_ones() -> None:
     assert exists("lossreduce.trainer_worker.integrations.verl.plugin")
     assert exists("lossreduce.trainer_worker.integrations.areal")
     assert not exists("lossreduce.trainer_worker.integrations.areal.no_such_module")
-    assert not exists("lossreduce.trainer_worker.integrations.verl.bench.no_such_name")
+    assert not exists("lossreduce.bench.frameworks.verl.no_such_name")
+    assert exists("lossreduce.bench.frameworks.verl.run_verl_bench")
+    assert exists("lossreduce.trainer_worker.cpu_standins.verl.env.CPU_ENV")
+    assert not exists("lossreduce.trainer_worker.integrations.verl.cpu_platform")
     assert in_the_wire_contract("lossreduce.v2.ReductionCoordinator")
     assert not in_the_wire_contract("lossreduce.v2.NoSuchService")
 

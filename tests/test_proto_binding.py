@@ -48,7 +48,7 @@ def test_binding_imports_under_package_name() -> None:
     }
 
 
-@pytest.mark.parametrize("name", ["server", "client", "proto", "trainer_worker"])
+@pytest.mark.parametrize("name", ["server", "client", "proto", "trainer_worker", "bench"])
 def test_no_generic_top_level_module_installed(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

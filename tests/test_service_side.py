@@ -27,8 +27,9 @@ BLOCKED = (*TRAINER_MODULES, "numpy")
 SERVICE_PACKAGES = ("lossreduce", "lossreduce.server", "lossreduce.client")
 """Walked with pkgutil (``lossreduce`` includes ``lossreduce.v2``)."""
 
-NOT_SERVICE_SIDE = ("lossreduce.server.bench", "lossreduce.trainer_worker")
-"""``lossreduce bench``'s package and the trainer side."""
+NOT_SERVICE_SIDE = ("lossreduce.bench", "lossreduce.trainer_worker")
+"""``lossreduce bench``'s package (a folder of its own; an installed tree holds it under
+``lossreduce/``) and the trainer side."""
 
 CHILD = textwrap.dedent(
     """

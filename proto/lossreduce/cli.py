@@ -47,7 +47,7 @@ COMMANDS: dict[str, Command] = {
         needs=TRAINER_MODULES,
     ),
     "bench": Command(
-        "lossreduce.server.bench.cli",
+        "lossreduce.bench.cli",
         "benchmark the coordinator against gloo, TCPStore, Ray",
         needs=("torch", "ray", "matplotlib"),
     ),

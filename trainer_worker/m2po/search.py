@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from lossreduce.errors import InvalidPartialError, RankContext, RoundAbortedError
-from lossreduce.rules import exact_sum
 from lossreduce.trainer_worker.m2po.exact import (
     MIN_EXPONENT,
     admissible,
@@ -52,6 +51,7 @@ from lossreduce.trainer_worker.m2po.wire import (
     worst_case_rounds,
 )
 from lossreduce.trainer_worker.normalizers.base import GlobalNormalizer
+from lossreduce.trainer_worker.token_stats.rounds import reduce_rounds, rounds_in_process
 
 __all__ = ["M2POCut", "global_m2po_cutoff", "m2po_cutoff_in_process"]
 
@@ -256,21 +256,13 @@ def m2po_cutoff_in_process(
                 values, threshold, rank=rank, world_size=world_size, max_terms=max_terms, bad=bad
             )
         )
-    rounds = terms_sent = 0
-    while True:
-        requests = [s.request() for s in searches]
-        if requests[0] is None:
-            break
-        names = list(requests[0])
-        totals = {t: exact_sum(r[t] for r in requests if r is not None) for t in names}
-        for s in searches:
-            s.answer(totals)
-        rounds += 1
-        terms_sent += len(names)
-        if searches[0].culprits:
-            s0 = searches[0]
-            rnd = RankContext("", "", 0, 0)
-            _raise_invalid(rnd, s0.bad, s0.culprits, tuple(parts[0].shape))
+    s0 = searches[0]
+
+    def check() -> None:
+        if s0.culprits:
+            _raise_invalid(RankContext("", "", 0, 0), s0.bad, s0.culprits, tuple(parts[0].shape))
+
+    rounds, terms_sent = rounds_in_process(searches, after_round=check)
     return [_result(s, rounds, terms_sent, started) for s in searches]
 
 
@@ -334,21 +326,21 @@ def global_m2po_cutoff(
     search = _RankSearch(
         values, threshold, rank=rank, world_size=world_size, max_terms=max_terms, bad=bad
     )
-    contract = f"m2po threshold={threshold!r} world={world_size}"
-    rounds = terms_sent = 0
-    while (terms := search.request()) is not None:
-        names = list(terms)
-        row = torch.tensor([float(terms[t]) for t in names], dtype=torch.float64)  # [terms]
-        partials = dict(zip(names, row.to(m2.device).unbind(0), strict=True))
-        # The contract rides on the round's first term (a count, in every round):
-        # ranks that disagree on it raise ContractMismatchError on every rank.
-        contracts = {t: contract if i == 0 else "" for i, t in enumerate(names)}
-        got = normalizer.reduce(m2po_round_step(step, rounds), partials, contracts)
-        totals = torch.stack([got[t] for t in names]).to("cpu").tolist()  # one device sync
-        search.answer(dict(zip(names, totals, strict=True)))
-        rounds += 1
-        terms_sent += len(names)
+
+    def check() -> None:
         if search.culprits:
             rnd = RankContext(job, group, m2po_round_step(step, 0), rank)
             _raise_invalid(rnd, bad, search.culprits, tuple(m2.shape))
+
+    # The threshold rides on every round's first term (a count): ranks that
+    # disagree on it raise ContractMismatchError on every rank.
+    rounds, terms_sent = reduce_rounds(
+        search,
+        normalizer,
+        step,
+        contract=f"m2po threshold={threshold!r} world={world_size}",
+        device=m2.device,
+        what="M2PO",
+        after_round=check,
+    )
     return _result(search, rounds, terms_sent, started)

@@ -1,7 +1,9 @@
-"""The search's wire: round keys, exact integer encoding, candidate segments, bounds.
+"""The search's wire: round keys, candidate segments, bounds.
 
-Every value sent is an integer, so the backends' ``math.fsum`` over ranks is
-exact, and every global is ``> 0`` (a global normalizer must be):
+The encoding is :mod:`lossreduce.trainer_worker.token_stats.wire`'s, under the
+term names ``m2po.*``: every value sent is an integer, so the backends'
+``math.fsum`` over ranks is exact, and every global is ``> 0`` (a global
+normalizer must be):
 
 - a count is sent as ``count + 1`` and an exact sum as :data:`LIMB_BITS`-bit
   limbs, each ``+ 1``; up to :data:`MAX_WORLD_SIZE` ranks, the sum of one term
@@ -29,7 +31,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lossreduce.errors import UsageError
-from lossreduce.trainer_worker.m2po.exact import MIN_EXPONENT, ulp_exponent
+from lossreduce.trainer_worker.token_stats import wire
+from lossreduce.trainer_worker.token_stats.exact import ulp_exponent
+from lossreduce.trainer_worker.token_stats.wire import (
+    DEFAULT_MAX_TERMS,
+    EXPONENT_BLOCK,
+    LIMB_BITS,
+    MAX_WORLD_SIZE,
+    limbs_for,
+    low_block,
+    low_bound,
+    split_limbs,
+    top_block,
+    top_bound,
+)
 
 __all__ = [
     "DEFAULT_MAX_TERMS",
@@ -58,25 +73,9 @@ __all__ = [
     "worst_case_rounds",
 ]
 
-DEFAULT_MAX_TERMS = 64
-"""Terms per round: the coordinator's default ``max_terms`` (terms one contribution may carry)."""
-
-M2PO_STEP_STRIDE = 256
+M2PO_STEP_STRIDE = wire.ROUND_STRIDE
 """Round ``i`` of mini-batch ``step`` is reduced as step ``step * M2PO_STEP_STRIDE + i``;
 :func:`worst_case_rounds` stays far below it."""
-
-LIMB_BITS = 40
-"""Bits per limb of an exact sum."""
-
-MAX_WORLD_SIZE = 1 << (53 - LIMB_BITS)
-"""Most ranks: ``MAX_WORLD_SIZE`` limbs of at most ``2**LIMB_BITS`` (with the + 1) sum exactly."""
-
-EXPONENT_BLOCK = 32
-"""Binades per block of round 0's exponent digits (66 blocks cover every float64)."""
-
-_BLOCKS = -(-(1024 - MIN_EXPONENT + 1) // EXPONENT_BLOCK)
-_MASK_BITS = 50
-"""Ranks per bitmask term of round 0 (a sum of distinct powers below 2**50 is exact)."""
 
 MAX_FINITE_PATTERN = 0x7FEFFFFFFFFFFFFF
 _BINADE = 1 << 52
@@ -93,79 +92,21 @@ def pattern_of(value: float) -> int:
 
 def m2po_round_step(step: int, round_index: int) -> int:
     """The normalizer step of round ``round_index`` of mini-batch ``step``."""
-    if not 0 <= round_index < M2PO_STEP_STRIDE:
-        raise UsageError(
-            f"M2PO round {round_index} of step {step} is outside [0, {M2PO_STEP_STRIDE})"
-        )
-    return step * M2PO_STEP_STRIDE + round_index
+    return wire.round_step(step, round_index, what="M2PO")
 
 
 def check_world_size(world_size: int) -> None:
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise UsageError(
-            f"world_size={world_size}: the M2PO search's exact sums support 1 to "
-            f"{MAX_WORLD_SIZE} ranks"
-        )
-
-
-def limbs_for(bits: int) -> int:
-    return max(1, -(-bits // LIMB_BITS))
-
-
-def split_limbs(value: int, limbs: int) -> list[int]:
-    """``value`` (``< 2**(LIMB_BITS * limbs)``) as ``limbs`` limbs, each ``+ 1``."""
-    mask = (1 << LIMB_BITS) - 1
-    return [((value >> (LIMB_BITS * j)) & mask) + 1 for j in range(limbs)]
-
-
-def _digits_per_term(world_size: int) -> int:
-    # Digit 0 carries the + 1 of every rank; the others one block each.
-    return int(53 / math.log2(world_size + 1)) - 1
+    wire.check_world_size(world_size, what="M2PO search")
 
 
 def exponent_terms(name: str, block: int | None, world_size: int) -> dict[str, int]:
     """One rank's block (``None``: no value) as base ``world_size + 1`` digits, + 1 each term."""
-    per_term = _digits_per_term(world_size)
-    base = world_size + 1
-    return {
-        f"m2po.{name}{i}": 1
-        + (base ** (block % per_term + 1) if block is not None and block // per_term == i else 0)
-        for i in range(-(-_BLOCKS // per_term))
-    }
+    return wire.exponent_terms(f"m2po.{name}", block, world_size)
 
 
 def exponent_blocks(name: str, totals: Mapping[str, float], world_size: int) -> list[int]:
     """The blocks any rank sent under ``name``, ascending."""
-    per_term = _digits_per_term(world_size)
-    base = world_size + 1
-    blocks = []
-    for i in range(-(-_BLOCKS // per_term)):
-        digits = round(totals[f"m2po.{name}{i}"]) // base  # digit 0 holds the + 1s
-        for j in range(per_term):
-            if digits % base:
-                blocks.append(i * per_term + j)
-            digits //= base
-    return blocks
-
-
-def top_block(exponent: int) -> int:
-    """The block of a largest value's ``frexp`` exponent (values ``< 2**exponent``)."""
-    return (exponent - MIN_EXPONENT) // EXPONENT_BLOCK
-
-
-def top_bound(block: int) -> int:
-    """``E`` with every value of ``block`` and below ``< 2**E``."""
-    return min((block + 1) * EXPONENT_BLOCK + MIN_EXPONENT - 1, 1024)
-
-
-def low_block(unit: int) -> int:
-    """The block of a smallest nonzero value's ulp exponent."""
-    return (unit - MIN_EXPONENT) // EXPONENT_BLOCK
-
-
-def low_bound(block: int) -> int:
-    """A unit ``u`` dividing every nonzero value of ``block`` and above."""
-    return block * EXPONENT_BLOCK + MIN_EXPONENT
+    return wire.exponent_blocks(f"m2po.{name}", totals, world_size)
 
 
 def round_zero_terms(
@@ -279,16 +220,9 @@ def worst_case_rounds(
 
 
 def mask_terms(rank: int, world_size: int, bad: bool) -> dict[str, int]:
-    """The bitmask of ranks with an invalid value, :data:`_MASK_BITS` ranks a term, + 1 each."""
-    return {
-        f"m2po.bad{i}": 1 + (1 << (rank % _MASK_BITS) if bad and rank // _MASK_BITS == i else 0)
-        for i in range(-(-world_size // _MASK_BITS))
-    }
+    """The bitmask of ranks with an invalid value, :data:`~lossreduce.trainer_worker.token_stats.wire.MASK_BITS` ranks a term, + 1 each."""
+    return wire.mask_terms("m2po.bad", rank, world_size, bad)
 
 
 def bad_ranks(totals: Mapping[str, float], world_size: int) -> list[int]:
-    ranks = []
-    for i in range(-(-world_size // _MASK_BITS)):
-        bits = round(totals[f"m2po.bad{i}"]) - world_size
-        ranks += [i * _MASK_BITS + j for j in range(_MASK_BITS) if bits >> j & 1]
-    return ranks
+    return wire.bad_ranks("m2po.bad", totals, world_size)

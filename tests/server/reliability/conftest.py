@@ -22,10 +22,10 @@ from typing import ClassVar
 
 import pytest
 
+from lossreduce.bench.servers import start_serve
 from lossreduce.client import ClientSettings
 from lossreduce.contribution import Contribution
 from lossreduce.ports import free_port
-from lossreduce.server.bench.servers import start_serve
 from lossreduce.v2 import coordinator_pb2 as pb
 
 STARTUP_TIMEOUT_S = 60.0

@@ -4,11 +4,9 @@
   uses the configured policy-gradient mode (``token_mean``, ``seq_mean``,
   ``prompt_mean``, ``constant``), exact float64 normalizers validated on every
   rank, and torch.distributed or the lossreduce coordinator to sum them.
-- :class:`LossReduceArchonPPOActor`: the same for AReaL's Archon engine
-  (:func:`archon_cpu_config` / :data:`ARCHON_CPU_OVERRIDES` run it on CPU).
+- :class:`LossReduceArchonPPOActor`: the same for AReaL's Archon engine.
 - :func:`lossreduce_actor`: the same for another AReaL actor class, e.g.
-  ``MegatronPPOActor`` (tested on CPU with the platform of ``megatron_cpu``; see
-  docs/frameworks/areal.md for what runs on which engine).
+  ``MegatronPPOActor`` (see docs/frameworks/areal.md for what runs on which engine).
 - :class:`LossReducePPOTrainer`: AReaL's ``PPOTrainer`` building that actor
   (the one change to an AReaL launch script).
 - :class:`ArealReductionSettings`: how they normalize (``LOSSREDUCE_*``).
@@ -25,14 +23,12 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.version import Version
 
 __all__ = [
-    "ARCHON_CPU_OVERRIDES",
     "AREAL_TESTED",
     "ArealReductionSettings",
     "LossReduceActorMixin",
     "LossReduceArchonPPOActor",
     "LossReduceFSDPPPOActor",
     "LossReducePPOTrainer",
-    "archon_cpu_config",
     "check_areal_version",
     "lossreduce_actor",
 ]
@@ -68,10 +64,6 @@ from lossreduce.trainer_worker.integrations.areal.actors import (  # noqa: E402
     LossReduceArchonPPOActor,
     LossReduceFSDPPPOActor,
     lossreduce_actor,
-)
-from lossreduce.trainer_worker.integrations.areal.archon_cpu import (  # noqa: E402
-    ARCHON_CPU_OVERRIDES,
-    archon_cpu_config,
 )
 from lossreduce.trainer_worker.integrations.areal.settings import (  # noqa: E402
     ArealReductionSettings,

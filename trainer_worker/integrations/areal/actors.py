@@ -35,7 +35,8 @@ class LossReduceFSDPPPOActor(LossReduceActorMixin, FSDPPPOActor):  # type: ignor
 
 class LossReduceArchonPPOActor(LossReduceActorMixin, ArchonPPOActor):  # type: ignore[misc]
     """AReaL's ``ArchonPPOActor`` with lossreduce's reduction (tested against AReaL 1.0.4
-    on CPU, with the settings of :mod:`.archon_cpu`)."""
+    on CPU, with the CPU settings of
+    :mod:`lossreduce.trainer_worker.cpu_standins.areal.archon`)."""
 
     def __init__(self, config: Any, *, reduction: ArealReductionSettings | None = None) -> None:
         super().__init__(config, reduction=reduction)

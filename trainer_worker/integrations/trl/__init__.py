@@ -6,7 +6,7 @@ checks its version (:data:`TRL_TESTED`). The trainer is in
 step in :mod:`~lossreduce.trainer_worker.integrations.trl.window`, what it
 supports in :mod:`~lossreduce.trainer_worker.integrations.trl.options`), the end-to-end cost
 measurement of ``lossreduce bench --e2e`` in
-:mod:`~lossreduce.trainer_worker.integrations.trl.bench`.
+:mod:`~lossreduce.bench.frameworks.trl`.
 """
 
 from lossreduce.trainer_worker.integrations.trl.options import TRL_TESTED, check_trl_version

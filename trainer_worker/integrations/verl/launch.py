@@ -16,7 +16,10 @@ before verl validates a launch's config (the plugin wraps verl's
 - a bad value in the settings themselves (the ``actor_rollout_ref.lossreduce``
   block over ``LOSSREDUCE_*``), by :func:`reduction_settings`, naming the key or
   the variable, the value and what is allowed: in seconds, where the workers
-  would refuse it only after Ray, TransferQueue and the rollout started.
+  would refuse it only after Ray, TransferQueue and the rollout started;
+- an actor (or critic) option the workers would refuse (:mod:`.options`: a policy
+  loss with a mode that has no meaning for it, a ``loss_agg_mode`` that would be
+  silently replaced, an engine strategy), all named at once.
 
 Reads the config through OmegaConf and imports no verl.
 """
@@ -29,6 +32,12 @@ from omegaconf import OmegaConf
 
 from lossreduce.errors import ReductionConfigError
 from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
+from lossreduce.trainer_worker.integrations.verl.options import (
+    actor_problems,
+    critic_problems,
+    engine_problems,
+    raise_problems,
+)
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 
 __all__ = [
@@ -47,9 +56,10 @@ ASYNC_TRAINER_MODES = ("colocate_async", "separate_async")
 """verl 0.9.1's asynchronous trainer modes, which lossreduce refuses by name."""
 
 
-def check_launch(config: Any) -> None:
+def check_launch(config: Any, use_critic: bool = False) -> None:
     """Raise :class:`ReductionConfigError` if ``config`` (verl's whole launch config) asks
-    for lossreduce in a trainer that would not run it."""
+    for lossreduce in a trainer that would not run it, or for options its actor (and,
+    with ``use_critic``, its critic) would refuse."""
     given = OmegaConf.select(config, SETTINGS_KEY, default=None) is not None
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
     use_v1 = bool(OmegaConf.select(config, "trainer.use_v1", default=True))
@@ -72,7 +82,13 @@ def check_launch(config: Any) -> None:
             f"set trainer.v1.trainer_mode={TRAINER_MODE}"
         )
     if mode == TRAINER_MODE:
-        reduction_settings(OmegaConf.select(config, SETTINGS_KEY, default=None))
+        settings = reduction_settings(OmegaConf.select(config, SETTINGS_KEY, default=None))
+        actor = config.actor_rollout_ref.actor
+        problems = engine_problems(actor) + actor_problems(actor, settings)
+        if use_critic:
+            problems += engine_problems(config.critic, "critic")
+            problems += critic_problems(config.critic, settings)
+        raise_problems(problems, settings)
 
 
 def reduction_settings(block: Any) -> VerlReductionSettings:

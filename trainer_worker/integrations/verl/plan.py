@@ -31,6 +31,7 @@ __all__ = [
     "ENTROPY_TERM",
     "KL_TERM",
     "POLICY_TERM",
+    "VALUE_TERM",
     "MiniBatchPlan",
     "bad_inputs",
     "group_ids",
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 POLICY_TERM = "pg"
+VALUE_TERM = "vf"
+"""The critic's value loss (group ``critic``)."""
 KL_TERM = "kl"
 ENTROPY_TERM = "entropy"
 
@@ -58,16 +61,19 @@ def plan_mini_batch(
     *,
     kl: bool,
     entropy: bool,
+    main_term: str = POLICY_TERM,
 ) -> MiniBatchPlan:
     """Row weights and partials of rank ``rank`` for the mini-batch ``rows``.
 
     ``rows`` holds every rank's rows for ``prompt_mean`` (a group's tokens and
     its owner span ranks) and may hold this rank's rows alone otherwise.
+    ``main_term`` names the term ``reduction`` normalizes (the critic's is
+    :data:`VALUE_TERM`).
     """
     plan = plan_rows(reduction, rows, rank, n_windows=1)
     token_mean = PolicyGradientReduction("token_mean").contract_for("sum")
-    partials = {POLICY_TERM: torch.tensor(plan.policy_partials[0], dtype=torch.float64)}
-    contracts = {POLICY_TERM: reduction.contract_for("sum")}
+    partials = {main_term: torch.tensor(plan.policy_partials[0], dtype=torch.float64)}
+    contracts = {main_term: reduction.contract_for("sum")}
     tokens = torch.tensor(plan.token_partials[0], dtype=torch.float64)
     for term, wanted in ((KL_TERM, kl), (ENTROPY_TERM, entropy)):
         if wanted:

@@ -26,11 +26,17 @@ from typing import Any
 
 import ray
 import verl.utils.config as verl_config
+from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from lossreduce.trainer_worker.integrations.verl.launch import TRAINER_MODE, check_launch
+from lossreduce.trainer_worker.integrations.verl.critic import LossReduceCriticWorker
+from lossreduce.trainer_worker.integrations.verl.launch import (
+    SETTINGS_KEY,
+    TRAINER_MODE,
+    check_launch,
+)
 from lossreduce.trainer_worker.integrations.verl.worker import (
     LossReduceActorRolloutRefWorker,
     RunClaim,
@@ -46,7 +52,7 @@ _verl_validate_config = getattr(
 
 def validate_config(config: Any, use_reference_policy: bool, use_critic: bool) -> None:
     """verl's ``validate_config``, after :func:`~.launch.check_launch`."""
-    check_launch(config)
+    check_launch(config, use_critic)
     _verl_validate_config(config, use_reference_policy, use_critic)
 
 
@@ -58,16 +64,16 @@ verl_config.validate_config = validate_config
 
 def actor_worker_mapping(mapping: dict[object, object]) -> dict[object, object]:
     """``mapping`` (role -> Ray actor class) with every ``ActorRolloutRefWorker`` role
-    that trains the actor built from lossreduce's worker instead."""
-    ours = ray.remote(LossReduceActorRolloutRefWorker)
+    that trains the actor built from lossreduce's worker instead, and the critic's
+    ``TrainingWorker`` (PPO with a critic) from :class:`LossReduceCriticWorker`."""
     swapped = dict(mapping)
     for role, remote in mapping.items():
         name = str(role)
-        if (
-            name.startswith("actor")
-            and getattr(remote, "__ray_actor_class__", None) is ActorRolloutRefWorker
-        ):
-            swapped[role] = ours
+        cls = getattr(remote, "__ray_actor_class__", None)
+        if name.startswith("actor") and cls is ActorRolloutRefWorker:
+            swapped[role] = ray.remote(LossReduceActorRolloutRefWorker)
+        elif name == "critic" and cls is TrainingWorker:
+            swapped[role] = ray.remote(LossReduceCriticWorker)
     return swapped
 
 
@@ -77,10 +83,23 @@ class LossReducePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
 
     role_worker_mapping: dict[object, object]
     actor_rollout_wg: Any
+    critic_wg: Any
+    use_critic: bool
+    config: Any
 
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
         self.role_worker_mapping = actor_worker_mapping(self.role_worker_mapping)
+
+    def _setup(self) -> None:
+        """verl's set-up, then the launch's settings for the critic's ranks (verl builds
+        them from the critic's own config, which has no lossreduce block)."""
+        super()._setup()
+        if self.use_critic:
+            block = OmegaConf.select(self.config, SETTINGS_KEY, default=None)
+            if OmegaConf.is_config(block):
+                block = OmegaConf.to_container(block, resolve=True)
+            self.critic_wg.use_reduction(block)
 
     def _load_checkpoint(self) -> None:
         """verl's resume, then the actor's claim of its (job, group) from the round it
@@ -89,6 +108,8 @@ class LossReducePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
         here with :class:`~lossreduce.errors.RunConflictError` naming the holder."""
         super()._load_checkpoint()
         claims: list[RunClaim] = self.actor_rollout_wg.claim_rounds()
+        if self.use_critic:
+            claims += self.critic_wg.claim_rounds()
         # The launch's log names the run once per group, so a refusal elsewhere can be
         # traced to it.
         for line in describe_claims(claims):

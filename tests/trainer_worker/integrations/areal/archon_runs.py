@@ -30,9 +30,9 @@ def make_archon_actor(case: Case, config: Any) -> Any:
     from areal.api.io_struct import FinetuneSpec
     from areal.experimental.engine.archon_engine import ArchonPPOActor
 
+    from lossreduce.trainer_worker.cpu_standins.areal.archon import archon_cpu_config
     from lossreduce.trainer_worker.integrations.areal import ArealReductionSettings
     from lossreduce.trainer_worker.integrations.areal.actors import LossReduceArchonPPOActor
-    from lossreduce.trainer_worker.integrations.areal.archon_cpu import archon_cpu_config
 
     archon_cpu_config(config)
     # Archon initializes its sharded parameters with DTensor's random generator, so a

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from lossreduce.bench.servers import start_serve
 from lossreduce.ports import free_port
-from lossreduce.server.bench.servers import start_serve
 from lossreduce.server.journal import _STEP_OFFSET
 from tests.trainer_worker.integrations.areal import trainer_loop
 from tests.trainer_worker.integrations.areal.halting_trainer import HALT_AFTER_ENV, HALT_DIR_ENV

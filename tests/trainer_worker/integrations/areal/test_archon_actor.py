@@ -2,7 +2,7 @@
 
 AReaL's ``ArchonPPOActor`` (FSDP2 over its own Qwen2, ``archon:d1`` and
 ``archon:d2``) runs on CPU with two of its own settings
-(:mod:`lossreduce.trainer_worker.integrations.areal.archon_cpu`: ``sdpa``
+(:mod:`lossreduce.trainer_worker.cpu_standins.areal.archon`: ``sdpa``
 attention, micro-batches padded to ``max_tokens_per_mb``); nothing of AReaL is
 patched. The cases are those of ``test_areal_actor.py`` (same data, same
 harness, one ``ppo_update`` on a fresh actor from the same seed per case),

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from lossreduce.server.bench.e2e import run_areal_e2e
-from lossreduce.trainer_worker.integrations.areal.bench import ArealBenchSettings, run_areal_bench
+from lossreduce.bench.e2e import run_areal_e2e
+from lossreduce.bench.frameworks.areal import ArealBenchSettings, run_areal_bench
 
 # The bench keeps AReaL's torch.compile of its log-probabilities; tracing it makes
 # dynamo touch a non-leaf tensor's .grad internally, which warns.

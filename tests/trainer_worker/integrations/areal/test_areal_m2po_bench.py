@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lossreduce.trainer_worker.integrations.areal.bench import ArealBenchSettings, run_areal_bench
+from lossreduce.bench.frameworks.areal import ArealBenchSettings, run_areal_bench
 
 # The bench keeps AReaL's torch.compile of its log-probabilities; tracing it makes
 # dynamo touch a non-leaf tensor's .grad internally, which warns.

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from lossreduce.trainer_worker.cpu_standins.areal.archon import ARCHON_CPU_OVERRIDES
 from lossreduce.trainer_worker.integrations.areal.actor import ROUNDS_PER_VERSION
-from lossreduce.trainer_worker.integrations.areal.archon_cpu import ARCHON_CPU_OVERRIDES
 from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.areal import single_controller, trainer_loop
 

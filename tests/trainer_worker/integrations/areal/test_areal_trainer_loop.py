@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from lossreduce.trainer_worker.cpu_standins.areal.archon import ARCHON_CPU_OVERRIDES
 from lossreduce.trainer_worker.integrations.areal.actor import ROUNDS_PER_VERSION
-from lossreduce.trainer_worker.integrations.areal.archon_cpu import ARCHON_CPU_OVERRIDES
 from tests.trainer_worker.integrations.areal import trainer_loop
 from tests.trainer_worker.integrations.areal.trainer_loop import LoopRun
 

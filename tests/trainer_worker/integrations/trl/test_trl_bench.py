@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("trl", reason="needs the trl extra: pip install 'lossreduce[trl]'")
 
-from lossreduce.trainer_worker.integrations.trl.bench import TRLBenchSettings, run_trl_bench
+from lossreduce.bench.frameworks.trl import TRLBenchSettings, run_trl_bench
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lossreduce.trainer_worker.integrations.verl.cpu_launch import (
+from lossreduce.trainer_worker.cpu_standins.verl.launch import (
     Launch,
     logged_steps,
     main_ppo_env,

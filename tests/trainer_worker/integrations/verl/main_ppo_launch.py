@@ -1,7 +1,7 @@
 """verl's ``python -m verl.trainer.main_ppo`` on CPU, as the tests launch it.
 
 The inputs and the launch are the package's
-(:mod:`lossreduce.trainer_worker.integrations.verl.cpu_launch`, which
+(:mod:`lossreduce.trainer_worker.cpu_standins.verl.launch`, which
 ``lossreduce bench --e2e`` runs too); here: the launch as the docs show it, and a
 launch that must finish and log every step.
 """
@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from lossreduce.trainer_worker.integrations.verl.cpu_launch import (
+from lossreduce.trainer_worker.cpu_standins.verl.launch import (
     LOSSREDUCE,
     STEPS,
     Inputs,

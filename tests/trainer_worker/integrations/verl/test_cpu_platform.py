@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from lossreduce.trainer_worker.integrations.verl.bench import CPU_ENV
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV
 
 # In a fresh process: verl picks its platform on first import, from the environment.
 ROUND_TRIP = """

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from lossreduce.trainer_worker.integrations.verl import main_ppo_bench
-from lossreduce.trainer_worker.integrations.verl.cpu_launch import Inputs, Launch
-from lossreduce.trainer_worker.integrations.verl.main_ppo_bench import (
+from lossreduce.bench.frameworks import verl_main_ppo
+from lossreduce.bench.frameworks.verl_main_ppo import (
     ROUND_KEY,
     STEP_KEY,
     UPDATE_KEY,
@@ -25,6 +24,7 @@ from lossreduce.trainer_worker.integrations.verl.main_ppo_bench import (
     kept_timings,
     run_main_ppo_bench,
 )
+from lossreduce.trainer_worker.cpu_standins.verl.launch import Inputs, Launch
 
 
 def _record(step: int, seconds: float, update: float) -> dict[str, Any]:
@@ -63,8 +63,8 @@ def _fake_launches(
         seen.append(args)
         return runs[len(seen) - 1]
 
-    monkeypatch.setattr(main_ppo_bench, "write_inputs", write_inputs)
-    monkeypatch.setattr(main_ppo_bench, "run_main_ppo", run_main_ppo)
+    monkeypatch.setattr(verl_main_ppo, "write_inputs", write_inputs)
+    monkeypatch.setattr(verl_main_ppo, "run_main_ppo", run_main_ppo)
 
 
 def test_medians_per_side_and_their_ratio(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lossreduce.trainer_worker.integrations.verl.bench import VerlBenchSettings, run_verl_bench
+from lossreduce.bench.frameworks.verl import VerlBenchSettings, run_verl_bench
 
 
 def test_the_bench_times_both_workers_in_abba_order() -> None:

@@ -17,20 +17,25 @@ import torch
 
 from lossreduce.errors import ReductionConfigError
 from lossreduce.trainer_worker.integrations.settings import ReductionSettings
+from lossreduce.trainer_worker.integrations.verl.launch import reduction_settings
 from lossreduce.trainer_worker.integrations.verl.options import (
     actor_problems,
+    critic_problems,
     engine_problems,
     raise_problems,
 )
 from lossreduce.trainer_worker.integrations.verl.plan import bad_inputs, group_ids, plan_mini_batch
+from lossreduce.trainer_worker.integrations.verl.policy_losses import POLICY_LOSSES
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 from lossreduce.trainer_worker.step_rows import StepRows
 
 
 def actor(**fields: Any) -> Any:
-    from verl.workers.config import ActorConfig
+    from verl.workers.config import ActorConfig, PolicyLossConfig
 
+    if isinstance(fields.get("policy_loss"), dict):
+        fields["policy_loss"] = PolicyLossConfig(**fields["policy_loss"])
     base: dict[str, Any] = {
         "strategy": "fsdp2",
         "ppo_mini_batch_size": 8,
@@ -99,12 +104,109 @@ def test_a_loss_scale_factor_other_than_the_divisor_is_refused() -> None:
     assert actor_problems(actor(loss_scale_factor=5), settings(mode="constant", divisor=5)) == []
 
 
-def test_an_untested_policy_loss_and_megatron_are_refused_naming_the_option() -> None:
-    problems = actor_problems(actor(policy_loss={"loss_mode": "gspo"}), settings())
-    assert any("actor.policy_loss.loss_mode='gspo'" in p for p in problems)
+def test_megatron_is_refused_naming_the_role_and_the_option() -> None:
     (problem,) = engine_problems(type("Engine", (), {"strategy": "megatron"})())
     assert "actor.strategy='megatron'" in problem
+    (problem,) = engine_problems(type("Engine", (), {"strategy": "megatron"})(), "critic")
+    assert "critic.strategy='megatron'" in problem
     assert engine_problems(type("Engine", (), {"strategy": "fsdp2"})()) == []
+
+
+# -- verl's policy losses ------------------------------------------------------------------
+
+REGISTERED = [
+    "vanilla",
+    "dppo_tv",
+    "dppo_kl",
+    "gspo",
+    "sapo",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "geo_mean",
+    "dro",
+    "cispo",
+    "bypass_mode",
+]
+"""verl 0.9.1's registered policy losses (``@register_policy_loss`` in core_algos)."""
+MODE_DIVISORS = {"token_mean": None, "seq_mean": None, "prompt_mean": None, "constant": 5.0}
+SEQ_MEAN_ONLY = {"sapo", "geo_mean"}
+# The options each loss needs beyond verl's defaults to run at all.
+NEEDS = {"dro": {"dro_beta": 0.1}}
+
+
+def test_the_table_holds_exactly_verls_registry() -> None:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    assert set(POLICY_LOSSES) == set(POLICY_LOSS_REGISTRY) == set(REGISTERED)
+
+
+@pytest.mark.parametrize("loss", REGISTERED)
+@pytest.mark.parametrize("mode", list(MODE_DIVISORS))
+def test_every_loss_runs_in_the_modes_that_mean_something_and_is_refused_in_the_others(
+    loss: str, mode: str
+) -> None:
+    config = actor(policy_loss={"loss_mode": loss, **NEEDS.get(loss, {})})
+    problems = actor_problems(config, settings(mode=mode, divisor=MODE_DIVISORS[mode]))
+    if loss in SEQ_MEAN_ONLY and mode != "seq_mean":
+        (problem,) = problems
+        assert f"actor.policy_loss.loss_mode={loss!r} with lossreduce mode {mode!r}" in problem
+        assert problem.endswith("set mode to seq_mean")
+        # The reason is the math: one loss per response (geo_mean), SAPO's own aggregation.
+        assert (
+            ("per response" in problem)
+            if loss == "geo_mean"
+            else ("seq-mean-token-mean" in problem)
+        )
+    else:
+        assert problems == []
+
+
+def test_a_loss_verl_does_not_ship_is_refused_naming_the_seam() -> None:
+    (problem,) = actor_problems(actor(policy_loss={"loss_mode": "my_loss"}), settings())
+    assert "actor.policy_loss.loss_mode='my_loss' is not one of verl 0.9.1's" in problem
+    assert "rollout_is_weights" in problem
+
+
+def test_options_verl_would_refuse_only_at_the_first_call_are_refused_at_start() -> None:
+    (dro,) = actor_problems(actor(policy_loss={"loss_mode": "dro"}), settings())
+    assert "actor.policy_loss.dro_beta=None" in dro
+    (kl_cov,) = actor_problems(
+        actor(policy_loss={"loss_mode": "kl_cov", "kl_cov_ratio": 0.0}), settings()
+    )
+    assert "actor.policy_loss.kl_cov_ratio=0.0" in kl_cov
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    bad = RolloutCorrectionConfig(loss_type="bogus")
+    (bypass,) = actor_problems(
+        actor(policy_loss={"loss_mode": "bypass_mode", "rollout_correction": bad}), settings()
+    )
+    assert "rollout_correction.loss_type='bogus'" in bypass
+
+
+def test_the_statistics_scope_and_the_critic_settings_are_validated() -> None:
+    assert VerlReductionSettings().statistics == "mini_batch"
+    with pytest.raises(ReductionConfigError, match="statistics=everywhere"):
+        reduction_settings({"statistics": "everywhere"})
+    with pytest.raises(ReductionConfigError, match="critic_divisor"):
+        reduction_settings({"critic_mode": "constant"})
+    with pytest.raises(ReductionConfigError, match="groups of their own"):
+        reduction_settings({"critic_group": "actor"})
+
+
+def test_a_critic_aggregation_that_would_be_replaced_is_refused() -> None:
+    from verl.workers.config import CriticConfig
+
+    critic = CriticConfig(
+        strategy="fsdp2",
+        loss_agg_mode="seq-mean-token-mean",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=2,
+    )
+    (problem,) = critic_problems(critic, settings())
+    assert "critic.loss_agg_mode='seq-mean-token-mean'" in problem
+    assert "critic_mode 'token_mean'" in problem
+    assert critic_problems(critic, settings(critic_mode="seq_mean")) == []
 
 
 def test_every_problem_is_named_in_one_error() -> None:
@@ -223,12 +325,15 @@ def test_importing_verl_registers_the_lossreduce_trainer_mode() -> None:
     assert done.stdout.strip().splitlines()[-1] == "LossReducePPOTrainer"
 
 
-def test_the_trainer_mode_swaps_only_the_actor_workers() -> None:
+def test_the_trainer_mode_swaps_the_actor_and_critic_workers_only() -> None:
     import ray
     from verl.trainer.ppo.utils import Role
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-    from lossreduce.trainer_worker.integrations.verl import LossReduceActorRolloutRefWorker
+    from lossreduce.trainer_worker.integrations.verl import (
+        LossReduceActorRolloutRefWorker,
+        LossReduceCriticWorker,
+    )
     from lossreduce.trainer_worker.integrations.verl.plugin import actor_worker_mapping
 
     stock = ray.remote(ActorRolloutRefWorker)
@@ -239,7 +344,8 @@ def test_the_trainer_mode_swaps_only_the_actor_workers() -> None:
     ours: Any = swapped[Role.ActorRollout]
     assert ours.__ray_actor_class__ is LossReduceActorRolloutRefWorker
     assert swapped[Role.RefPolicy] is stock
-    assert swapped[Role.Critic] is critic
+    ours_critic: Any = swapped[Role.Critic]
+    assert ours_critic.__ray_actor_class__ is LossReduceCriticWorker
 
 
 def test_the_actor_rollout_worker_reads_its_settings_from_the_lossreduce_key(

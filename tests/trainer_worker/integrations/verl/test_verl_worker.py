@@ -22,7 +22,7 @@ import torch
 
 from lossreduce.ports import free_port
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from lossreduce.trainer_worker.integrations.verl import cpu_launch
+from lossreduce.trainer_worker.cpu_standins.verl import launch as cpu_launch
 from tests.conftest import TEST_SETTINGS
 from tests.ray_support import local_ray
 from tests.trainer_worker.integrations.verl import tiny_verl

@@ -1,12 +1,13 @@
 """A tiny offline PPO mini-batch for verl's real engine worker, and its independent reference.
 
-No hub access: a word-level tokenizer and a 1-layer ``Qwen2`` (``cpu_launch.save_model``)
-saved to a temporary folder (verl's ``HFModelConfig`` loads it from that path), and a
-fixed batch of 8 responses to 2 prompts (4 per prompt group): uneven response
-lengths, one response fully masked, advantages and old/ref log-probabilities
-from a seeded generator. The batch is built in the layout verl's trainer hands
-``update_actor`` (left-padded prompts, right-padded responses, converted to
-verl's no-padding layout by verl's own ``left_right_2_no_padding``).
+No hub access: a word-level tokenizer and a 1-layer ``Qwen2``
+(``cpu_standins.verl.launch.save_model``) saved to a temporary folder (verl's
+``HFModelConfig`` loads it from that path), and a fixed batch of 8 responses to 2
+prompts (4 per prompt group): uneven response lengths, one response fully masked,
+advantages and old/ref log-probabilities from a seeded generator. The batch is built
+in the layout verl's trainer hands ``update_actor`` (left-padded prompts, right-padded
+responses, converted to verl's no-padding layout by verl's own
+``left_right_2_no_padding``).
 
 :func:`reference_loss` recomputes the loss of one mini-batch from the formulas
 of the reduction semantics with plain torch, row by row, on one process.
@@ -26,8 +27,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 from transformers import Qwen2ForCausalLM
 
-# The model and its tokenizer are the package's CPU launch's (cpu_launch.save_model).
-from lossreduce.trainer_worker.integrations.verl.cpu_launch import PAD
+# The model and its tokenizer are the CPU launch's (cpu_standins.verl.launch.save_model).
+from lossreduce.trainer_worker.cpu_standins.verl.launch import PAD
 
 PROMPT_LEN = 3
 BATCH = 8

@@ -3,7 +3,7 @@
 A layout is a number of data-parallel ranks (1 or 2, gloo on loopback, spawned
 here); every rank of a layout runs the same list of :class:`Case` s in a row,
 each on a fresh worker (verl's FSDP2 engine on the CPU platform of
-:mod:`.cpu_platform`), one ``train_mini_batch`` call per case, and saves per
+:mod:`lossreduce.trainer_worker.cpu_standins.verl.platform`), one ``train_mini_batch`` call per case, and saves per
 case every parameter's update, the optimizer's state, the normalizers the
 worker used and any error.
 """
@@ -21,14 +21,13 @@ from typing import Any
 import torch
 from torch.multiprocessing.spawn import spawn
 
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV
 from tests.trainer_worker.integrations.verl import tiny_verl
 
 # What every test process needs before it imports verl: lossreduce's CPU platform for
-# verl (bench.CPU_ENV's values), plus quiet logs and no hub.
+# verl, plus quiet logs and no hub.
 VERL_ENV = {
-    "VERL_PLATFORM": "cpu",
-    "VERL_ENGINE_DEVICE": "cuda",
-    "VERL_USE_EXTERNAL_MODULES": "lossreduce.trainer_worker.integrations.verl.cpu_platform",
+    **CPU_ENV,
     "VERL_LOGGING_LEVEL": "ERROR",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",

@@ -2,7 +2,7 @@
 
 verl picks its platform and loads external modules when it is imported, so a
 process that runs verl's FSDP engine on CPU must have lossreduce's CPU platform
-selected first (:data:`~lossreduce.trainer_worker.integrations.verl.bench.CPU_ENV`).
+selected first (:data:`~lossreduce.trainer_worker.cpu_standins.verl.env.CPU_ENV`).
 A process with CUDA keeps verl's own CUDA platform. No verl import here.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from lossreduce.trainer_worker.integrations.verl.bench import CPU_ENV
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV
 
 __all__ = ["QUIET_ENV", "prepare_verl_process"]
 

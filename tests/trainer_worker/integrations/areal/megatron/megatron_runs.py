@@ -10,7 +10,7 @@ each case on a fresh actor loaded from the same saved weights. Layouts:
 - ``tp2``: tensor parallel 2 x data parallel 1, both ranks holding every group.
 
 Test-only choices, outside the code under test: the CPU platform
-(:mod:`lossreduce.trainer_worker.integrations.areal.megatron_cpu`: local layer spec,
+(:mod:`lossreduce.trainer_worker.cpu_standins.megatron.platform`: local layer spec,
 packed attention, CPU RNG tracker, CUDA device arguments mapped to the CPU). The
 optimizer is AReaL's default, Megatron's distributed optimizer, over gloo.
 """
@@ -206,12 +206,14 @@ def run_rank(rank: int, job: Job) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    from lossreduce.trainer_worker.integrations.areal import megatron_compat, megatron_cpu
+    from lossreduce.trainer_worker.cpu_standins.areal import megatron as areal_megatron
+    from lossreduce.trainer_worker.cpu_standins.megatron import platform as megatron_cpu
+    from lossreduce.trainer_worker.integrations.areal import megatron_compat
 
     results: dict[str, Any] = {}
     platform: contextlib.AbstractContextManager[Any]
     if job.device == "cpu":
-        megatron_cpu.install()
+        areal_megatron.install()
         backend, platform = "gloo", megatron_cpu.CudaToCpu()
     else:
         megatron_compat.install()

@@ -1,6 +1,6 @@
 """``lossreduce_actor(MegatronPPOActor)`` against the real AReaL 1.0.4 Megatron engine
 (Megatron-Core 0.17.0, mbridge 0.15.1) on CPU, gloo, with the CPU platform of
-:mod:`lossreduce.trainer_worker.integrations.areal.megatron_cpu`.
+:mod:`lossreduce.trainer_worker.cpu_standins.megatron.platform`.
 
 Every case is one ``ppo_update`` on a fresh actor loaded from the same weights
 (:mod:`.megatron_runs`). The measured step is SGD's (taken by Adam with

@@ -17,8 +17,8 @@ from tests.trainer_worker.integrations.areal.trainer_loop import ROOT
 
 BENCH = """
 import json
-from lossreduce.server.bench.e2e import run_areal_e2e
-from lossreduce.trainer_worker.integrations.areal.bench import ArealBenchSettings
+from lossreduce.bench.e2e import run_areal_e2e
+from lossreduce.bench.frameworks.areal import ArealBenchSettings
 small = ArealBenchSettings(steps=3, blocks=1, groups=2, group_size=2, max_length=24)
 print("RESULT " + json.dumps(run_areal_e2e(small)))
 """

@@ -6,7 +6,7 @@ the docs' ``grpo_launch.py``, unchanged, under ``torchrun`` on 2 gloo ranks in A
 SPMD mode for 3 steps against ``rollout_server.py``, and the same script with AReaL's
 own import for one step (the stock run). Each rank runs it through
 ``megatron_cpu_launch.py``, which installs the CPU platform
-(:mod:`lossreduce.trainer_worker.integrations.areal.megatron_cpu`) first. Everything
+(:mod:`lossreduce.trainer_worker.cpu_standins.megatron.platform`) first. Everything
 else is AReaL's own: the engine creates its process groups and Megatron's layout,
 builds the model through mbridge, trains with Megatron's distributed optimizer (over
 gloo) and sends every version to the server from disk (mbridge's Hugging Face export);

@@ -24,8 +24,8 @@ import ray
 from rich.console import Console
 from transformers import PreTrainedTokenizerFast, ViTConfig
 
+from lossreduce.bench.e2e import TRL_TARGET_RATIO, run_trl_e2e
 from lossreduce.errors import UsageError
-from lossreduce.server.bench.e2e import TRL_TARGET_RATIO, run_trl_e2e
 from lossreduce.trainer_worker.train.cli import PROG, main
 from lossreduce.trainer_worker.train.driver import run
 from lossreduce.trainer_worker.train.engines.trl.model import check_causal_lm
@@ -234,7 +234,7 @@ def test_verify_matches_one_process_on_the_same_completions(
 def test_bench_e2e_says_in_one_line_when_trl_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "lossreduce.trainer_worker.integrations.trl.bench", None)
+    monkeypatch.setitem(sys.modules, "lossreduce.bench.frameworks.trl", None)
     assert run_trl_e2e() is None
     assert capsys.readouterr().out.startswith("  TRL step: skipped (")
 
@@ -243,7 +243,7 @@ def test_bench_e2e_reports_the_trl_step_ratio(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # run_trl_bench itself is measured in the integration tests; here only its report.
-    from lossreduce.trainer_worker.integrations.trl import bench as trl_bench
+    from lossreduce.bench.frameworks import trl as trl_bench
 
     measured = trl_bench.TRLBenchResult(
         lossreduce_step_s=0.104, dapo_step_s=0.100, lossreduce_steps=20, dapo_steps=20

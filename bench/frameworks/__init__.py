@@ -1,0 +1,8 @@
+"""What lossreduce's normalizers cost inside each framework's own training step.
+
+One module per framework, each run by ``lossreduce bench --e2e`` and needing that
+framework's environment: :mod:`.trl` (a TRL GRPO step), :mod:`.verl` (verl's actor
+update), :mod:`.verl_main_ppo` (a whole ``main_ppo`` step) and :mod:`.areal` (AReaL's
+PPO update, per engine). On a machine without a GPU they run the frameworks on the CPU
+stand-ins of :mod:`lossreduce.trainer_worker.cpu_standins`.
+"""

@@ -1,0 +1,254 @@
+"""What lossreduce's normalizers cost inside a verl actor update.
+
+Times PPO mini-batch steps (``train_mini_batch``: one optimizer step each) of
+:class:`~lossreduce.trainer_worker.integrations.verl.LossReduceTrainingWorker`
+against the same steps of verl's own ``TrainingWorker`` with ``token-mean``
+(the like-for-like mode), both on verl's FSDP2 engine, in one process, with a
+small Qwen2 built in code and a fixed batch of uneven response lengths. After
+one warm-up step each, steps alternate ABBA one by one, so drift and load hit
+both sides alike, and the medians are compared.
+
+Without CUDA it runs verl on lossreduce's CPU platform for verl
+(:mod:`lossreduce.trainer_worker.cpu_standins.verl.platform`), selected with
+:data:`~lossreduce.trainer_worker.cpu_standins.verl.env.CPU_ENV` before verl is first
+imported (:func:`run_verl_bench` does that when verl is not imported yet).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV
+from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
+
+__all__ = ["VerlBenchResult", "VerlBenchSettings", "run_verl_bench"]
+
+_PAD, _EOS = 0, 1
+
+
+class VerlBenchSettings(BaseModel):
+    """The workload of :func:`run_verl_bench`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rounds: int = Field(
+        default=32,
+        ge=1,
+        description="ABBA rounds after the warm-up; each runs each worker's mini-batch step twice.",
+    )
+    responses: int = Field(default=32, ge=2, description="Responses per mini-batch.")
+    group_size: int = Field(default=4, ge=1, description="Responses per prompt group.")
+    micro_batch_size: int = Field(default=8, ge=1, description="Micro-batch size (responses).")
+    prompt_length: int = Field(default=8, ge=1, description="Tokens per prompt.")
+    max_response_length: int = Field(
+        default=48, ge=2, description="Longest response, in tokens; lengths are drawn below it."
+    )
+    hidden_size: int = Field(default=128, ge=8, description="Width of the Qwen2 model.")
+    layers: int = Field(default=2, ge=1, description="Transformer layers of the Qwen2 model.")
+    vocab_size: int = Field(default=64, ge=8, description="Vocabulary size.")
+    mode: PolicyGradientMode = Field(
+        default=PolicyGradientMode.TOKEN_MEAN,
+        description="lossreduce mode of the measured worker (token_mean is token-mean's meaning).",
+    )
+    seed: int = Field(default=0, description="Seed of the model weights and the batch.")
+
+
+@dataclass(frozen=True)
+class VerlBenchResult:
+    """Median seconds per mini-batch step of each worker, and their ratio."""
+
+    lossreduce_step_s: float
+    verl_step_s: float
+    lossreduce_steps: int
+    verl_steps: int
+
+    @property
+    def ratio(self) -> float:
+        """lossreduce / verl median step time (1.03 = 3% slower)."""
+        return self.lossreduce_step_s / self.verl_step_s
+
+
+def _save_model(settings: VerlBenchSettings, folder: Path) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(settings.seed)
+    config = Qwen2Config(
+        vocab_size=settings.vocab_size,
+        hidden_size=settings.hidden_size,
+        intermediate_size=2 * settings.hidden_size,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=settings.prompt_length + settings.max_response_length + 8,
+        tie_word_embeddings=False,
+        pad_token_id=_PAD,
+        eos_token_id=_EOS,
+        bos_token_id=_EOS,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _batch(settings: VerlBenchSettings) -> Any:
+    """One mini-batch in the layout verl's trainer hands ``update_actor``."""
+    import torch
+    from tensordict import NonTensorStack, TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    rng = random.Random(settings.seed)
+    n, p, r = settings.responses, settings.prompt_length, settings.max_response_length
+    ids = torch.full((n, p + r), _PAD, dtype=torch.long)
+    attention = torch.zeros((n, p + r), dtype=torch.long)
+    for i in range(n):
+        length = rng.randrange(2, r + 1)
+        ids[i, :p] = torch.randint(2, settings.vocab_size, (p,))
+        ids[i, p : p + length] = torch.randint(2, settings.vocab_size, (length,))
+        attention[i, : p + length] = 1
+    response_mask = attention[:, p:].clone()
+    gen = torch.Generator().manual_seed(settings.seed)
+    old = -3.0 - torch.rand((n, r), generator=gen)
+    td = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "prompts": ids[:, :p],
+            "responses": ids[:, p:],
+            "response_mask": response_mask,
+            "advantages": torch.randn((n, 1), generator=gen).expand(n, r).clone(),
+            "old_log_probs": old,
+            "uid": NonTensorStack(*(f"g{i // settings.group_size}" for i in range(n))),
+        },
+        batch_size=[n],
+    )
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(
+        td,
+        calculate_entropy=False,
+        global_batch_size=n,
+        mini_batch_size=n,
+        epochs=1,
+        seed=settings.seed,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+        temperature=1.0,
+    )
+    return td
+
+
+def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> Any:
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import (
+        ActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    from lossreduce.trainer_worker.integrations.verl.worker import LossReduceTrainingWorker
+
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(
+            path=str(model_dir),
+            use_remove_padding=False,
+            override_config={"attn_implementation": "eager"},
+        ),
+        engine_config=FSDPEngineConfig(
+            strategy="fsdp2",
+            model_dtype="fp32",
+            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            use_torch_compile=False,
+            use_dynamic_bsz=False,
+            micro_batch_size_per_gpu=settings.micro_batch_size,
+        ),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-4),
+        checkpoint_config=CheckpointConfig(),
+    )
+    actor = ActorConfig(
+        strategy="fsdp2",
+        ppo_mini_batch_size=settings.responses,
+        ppo_micro_batch_size_per_gpu=settings.micro_batch_size,
+        rollout_n=1,
+    )
+    worker = (
+        LossReduceTrainingWorker(
+            config, reduction=VerlReductionSettings(mode=settings.mode, job="verl-bench")
+        )
+        if lossreduce
+        else TrainingWorker(config)
+    )
+    worker.reset()
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    return worker
+
+
+def _init_process_group() -> bool:
+    """Start a one-process gloo group unless one runs; whether it started one."""
+    import torch.distributed as dist
+
+    from lossreduce.ports import LOOPBACK, free_port
+
+    if dist.is_initialized():
+        return False
+    os.environ.setdefault("MASTER_ADDR", LOOPBACK)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return True
+
+
+def run_verl_bench(settings: VerlBenchSettings | None = None) -> VerlBenchResult:
+    """Median mini-batch step time of LossReduceTrainingWorker vs verl's token-mean, ABBA."""
+    import sys
+
+    import torch
+
+    settings = settings or VerlBenchSettings()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not torch.cuda.is_available() and "verl" not in sys.modules:
+        for key, value in CPU_ENV.items():
+            os.environ.setdefault(key, value)
+    owned = _init_process_group()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        with tempfile.TemporaryDirectory(prefix="lossreduce-verl-bench-") as scratch:
+            model_dir = _save_model(settings, Path(scratch) / "model")
+            workers = {ours: _worker(settings, model_dir, ours) for ours in (True, False)}
+            batch = _batch(settings)
+            for ours in (True, False):  # warm-up: each engine's first step
+                workers[ours].train_mini_batch(batch.clone())
+            # ABBA step by step: both workers see the same load, caches and drift
+            # (runs of several steps in a row measured up to 9% apart on a quiet machine
+            # with identical work, whichever came first).
+            for _ in range(settings.rounds):
+                for ours in (True, False, False, True):
+                    started = time.perf_counter()
+                    workers[ours].train_mini_batch(batch.clone())
+                    times[ours].append(time.perf_counter() - started)
+    finally:
+        if owned:
+            torch.distributed.destroy_process_group()
+    return VerlBenchResult(
+        lossreduce_step_s=statistics.median(times[True]),
+        verl_step_s=statistics.median(times[False]),
+        lossreduce_steps=len(times[True]),
+        verl_steps=len(times[False]),
+    )

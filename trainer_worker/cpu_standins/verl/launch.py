@@ -1,0 +1,291 @@
+"""A tiny offline ``python -m verl.trainer.main_ppo`` on CPU: its inputs and the launch.
+
+Everything is verl's own but generation (:mod:`.rollout`): a tiny Qwen2 built
+from a config and a word-level tokenizer with a chat template (no hub), a parquet
+dataset of letter prompts, a rule reward (the share of the response's letters among
+:data:`GOOD`), GRPO with ``rollout.n=2`` and the KL loss on, 2 gloo ranks, verl's
+file logger writing every step's metrics. The tests' ``main_ppo`` launch
+(docs/frameworks/verl.md) and ``lossreduce bench --e2e``'s ``main_ppo`` step run it.
+For CPU-only runs; it needs verl's environment (``lossreduce[verl]``) and pandas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV, ROLLOUT_MODULE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "CHAT_TOKENS",
+    "CPU_LAUNCH_ENV",
+    "EOS",
+    "LOSSREDUCE",
+    "PAD",
+    "STEPS",
+    "WORDS",
+    "Inputs",
+    "Launch",
+    "launch_env",
+    "logged_steps",
+    "main_ppo_env",
+    "overrides",
+    "run_main_ppo",
+    "save_model",
+    "tokenizer",
+    "write_inputs",
+]
+
+PAD, EOS = 0, 1
+WORDS = ["<pad>", "<eos>", *(chr(c) for c in range(ord("a"), ord("z") + 1))]
+"""The tokenizer's word-level vocabulary: padding, end of sequence, the letters."""
+CHAT_TOKENS = ["\n", "<|im_end|>"]
+"""With ``chat=True``, after :data:`WORDS`: verl's agent loop builds Qwen2 chat turns
+with a Qwen boundary builder, which needs ``"\n"`` to encode to exactly one id and
+an ``<|im_end|>`` token (the whitespace pre-tokenizer alone drops newlines)."""
+
+LOSSREDUCE = [
+    "trainer.v1.trainer_mode=lossreduce",
+    "+actor_rollout_ref.lossreduce.mode=prompt_mean",
+    "+actor_rollout_ref.lossreduce.normalizer=coordinator",
+]
+"""The launch's lossreduce part: the trainer mode, the mode, and the job's own
+coordinator actor (no address)."""
+CPU_LAUNCH_ENV = {
+    **CPU_ENV,
+    "VERL_USE_EXTERNAL_MODULES": ",".join(
+        [
+            CPU_ENV["VERL_USE_EXTERNAL_MODULES"],
+            ROLLOUT_MODULE,
+        ]
+    ),
+}
+"""What a CPU launch sets: verl's CPU platform and the CPU rollout, in every process."""
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    letters = [c for c in solution_str if c.isalpha()]
+    return sum(c in ground_truth for c in letters) / max(len(letters), 1)
+"""
+GOOD = "abcdefghijklm"
+"""The reward: the share of the response's letters among these (a dense score, so
+GRPO's advantages, and with them the first update, are not all zero). verl decodes
+with ``skip_special_tokens``, which joins the word-level tokens without spaces."""
+PROMPTS = 8
+STEPS = 3
+
+
+def tokenizer(*, chat: bool = False) -> PreTrainedTokenizerFast:
+    """The word-level tokenizer of :data:`WORDS` (and :data:`CHAT_TOKENS` with ``chat``)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if chat:
+        # Added tokens are matched before pre-tokenization, so "\n" survives it.
+        tok.add_tokens([AddedToken(CHAT_TOKENS[0], normalized=False)])
+        tok.add_special_tokens([CHAT_TOKENS[1]])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def save_model(folder: Path, *, chat: bool = False) -> Path:
+    """A tiny Qwen2 with seeded weights and its :func:`tokenizer`, saved to ``folder``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(WORDS) + (len(CHAT_TOKENS) if chat else 0),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=EOS,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer(chat=chat).save_pretrained(folder)
+    return folder
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Where a launch's inputs lie."""
+
+    model: Path
+    train: Path
+    reward: Path
+
+
+def write_inputs(folder: Path) -> Inputs:
+    """The model, chat tokenizer, dataset and reward function of a run, under ``folder``."""
+    import pandas as pd
+
+    model = save_model(folder / "model", chat=True)
+    tok = tokenizer(chat=True)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(model)
+    letters = WORDS[2:]
+    rows = [
+        {
+            "data_source": "letters",
+            "prompt": [{"role": "user", "content": f"{letters[i]} {letters[i + 1]}"}],
+            "reward_model": {"style": "rule", "ground_truth": GOOD},
+            "extra_info": {"index": i},
+        }
+        for i in range(PROMPTS)
+    ]
+    train = folder / "train.parquet"
+    pd.DataFrame(rows).to_parquet(train)
+    reward = folder / "reward.py"
+    reward.write_text(REWARD)
+    return Inputs(model=model, train=train, reward=reward)
+
+
+def overrides(
+    inputs: Inputs,
+    *,
+    seed: int = 1,
+    steps: int = STEPS,
+    mini_batch_size: int = 2,
+    cuda: bool = False,
+) -> list[str]:
+    """The run's Hydra overrides (data, model, sizes) without the trainer mode: on 2 CPU
+    ranks, or with ``cuda`` on one GPU (scripts/gpu_check.sh)."""
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={inputs.train}",
+        f"data.val_files={inputs.train}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=8",
+        "data.max_response_length=4",
+        "data.dataloader_num_workers=0",
+        "data.shuffle=False",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.model.path={inputs.model}",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        # Prompts per mini-batch (optimizer step): 2, two mini-batches a training step.
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch_size}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.rollout.name=cpu",
+        "actor_rollout_ref.rollout.n=2",
+        # One rollout replica for both ranks (the CPU server does not shard): one server
+        # answers every request, so the per-prompt streams of full determinism hold.
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={1 if cuda else 2}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        "actor_rollout_ref.rollout.full_determinism=True",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        f"reward.custom_reward_function.path={inputs.reward}",
+        f"trainer.n_gpus_per_node={1 if cuda else 2}",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.logger=[console,file]",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.project_name=lossreduce-test",
+        # verl's TransferQueue, agent-loop and reward actors each ask for a CPU: more
+        # logical CPUs than the machine's 2 keep them from waiting on the workers'.
+        "ray_kwargs.ray_init.num_cpus=16",
+    ] + (
+        []
+        if cuda
+        else [
+            # verl checks the cluster for GPUs before it places its workers (on the CPU
+            # platform they then ask for CPUs): two logical ones, never used.
+            "+ray_kwargs.ray_init.num_gpus=2",
+            # A Ray of its own even where another runs on the machine (ray.init() alone
+            # would join the newest local cluster, and then refuse num_cpus).
+            "+ray_kwargs.ray_init.address=local",
+        ]
+    )
+
+
+def launch_env(*, cuda: bool = False) -> dict[str, str]:
+    """The environment a launch sets: the CPU rollout, and on CPU verl's CPU platform."""
+    if cuda:
+        return {"VERL_USE_EXTERNAL_MODULES": ROLLOUT_MODULE}
+    return dict(CPU_LAUNCH_ENV)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a ``main_ppo`` run ended: its exit code, its output, each step's logged record."""
+
+    returncode: int
+    output: str
+    steps: list[dict[str, Any]]
+
+    @property
+    def logged(self) -> list[int]:
+        """The steps verl's file logger wrote, in order."""
+        return sorted(int(s["step"]) for s in self.steps)
+
+
+def main_ppo_env(metrics: Path, *, cuda: bool = False) -> dict[str, str]:
+    """The environment of a ``main_ppo`` process: this one's, the launch's
+    (:func:`launch_env`), quiet logs, no hub, and verl's file logger writing to ``metrics``.
+    Without ``RAY_ADDRESS``: the launch starts a Ray of its own, as ``python -m
+    verl.trainer.main_ppo`` does."""
+    env = {
+        **os.environ,
+        **launch_env(cuda=cuda),
+        "VERL_LOGGING_LEVEL": "ERROR",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        "PYTHONWARNINGS": "ignore",
+        "RAY_DEDUP_LOGS": "0",
+    }
+    if cuda:
+        for key in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE"):
+            env.pop(key, None)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def logged_steps(metrics: Path) -> list[dict[str, Any]]:
+    """Every record verl's file logger wrote to ``metrics`` (none if it never opened it)."""
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def run_main_ppo(
+    folder: Path, args: list[str], timeout: float = 600, *, cuda: bool = False
+) -> Launch:
+    """``python -m verl.trainer.main_ppo *args`` in a fresh process (its own local Ray),
+    in ``folder``, verl's file logger writing to ``folder/metrics.jsonl``."""
+    metrics = folder / "metrics.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *args],
+        cwd=folder,
+        env=main_ppo_env(metrics, cuda=cuda),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return Launch(done.returncode, done.stdout + done.stderr, logged_steps(metrics))

@@ -1,0 +1,358 @@
+"""What lossreduce's verl actor and critic workers share: the run, its rounds, its claim.
+
+:class:`ReducingTrainingWorker` is verl's engine ``TrainingWorker`` with the parts of
+a lossreduce worker that do not depend on the loss: the settings, the run's
+identity and claim, the normalizer backends (the main one, and one of its own for
+the mini-batch statistics), the round counter kept with verl's checkpoint, one
+round per mini-batch whose answer (or error) is the same on every rank, and the
+skipped empty mini-batch. The actor (:class:`~.worker.LossReduceTrainingWorker`)
+and the critic (:class:`~.critic.LossReduceCriticWorker`) add their plan and loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine_workers import TrainingWorker
+
+from lossreduce.errors import (
+    EmptyNormalizerError,
+    InvalidPartialError,
+    RankContext,
+    ReductionInputError,
+)
+from lossreduce.trainer_worker.integrations.run_identity import resolve_run
+from lossreduce.trainer_worker.integrations.verl.options import engine_problems, raise_problems
+from lossreduce.trainer_worker.integrations.verl.plan import group_ids
+from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
+from lossreduce.trainer_worker.normalizers import (
+    CoordinatorNormalizer,
+    GlobalNormalizer,
+    LocalNormalizer,
+    TorchDistributedNormalizer,
+    claim_run,
+)
+from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
+from lossreduce.trainer_worker.step_rows import StepRows
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lossreduce.client import ClientSettings, ReductionClient
+    from lossreduce.trainer_worker.integrations.coordinator_actor import JoinedCoordinator
+
+__all__ = ["STATS_SUFFIX", "ReducingTrainingWorker", "RunClaim", "describe_claims"]
+
+STATS_SUFFIX = ".stats"
+"""The mini-batch statistics reduce in a group of their own, ``<group>.stats``, with a
+round numbering of their own."""
+
+
+class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
+    """verl's ``TrainingWorker`` whose mini-batches reduce through lossreduce (a base:
+    the actor and the critic say which group they reduce in and what they send).
+
+    ``reduction`` defaults to :class:`VerlReductionSettings` read from
+    ``LOSSREDUCE_*``. ``skipped_steps`` counts mini-batches skipped as empty;
+    ``last_normalizers`` holds the global normalizers the last mini-batch used.
+    """
+
+    role: ClassVar[str] = "actor"
+    """``actor`` or ``critic``: the verl config section its options are named by."""
+
+    def __init__(self, config: Any, reduction: VerlReductionSettings | None = None) -> None:
+        self.reduction_settings = reduction if reduction is not None else VerlReductionSettings()
+        if config.engine_config is not None:
+            raise_problems(
+                engine_problems(config.engine_config, self.role), self.reduction_settings
+            )
+        super().__init__(config)
+        raise_problems(engine_problems(self.engine_config, self.role), self.reduction_settings)
+        self.skipped_steps = 0
+        self.last_normalizers: dict[str, float] | None = None
+        self._round = 0
+        self._identity: tuple[str, str] | None = None
+        self._normalizers: dict[str, GlobalNormalizer] = {}
+        self._clients: dict[str, ReductionClient] = {}
+        self._joined: JoinedCoordinator | None = None
+
+    def base_group(self) -> str:
+        """The group of this worker's rounds as configured (the actor's or the critic's)."""
+        settings = self.reduction_settings
+        return settings.group if self.role == "actor" else settings.critic_group
+
+    # -- the run and its rounds -----------------------------------------------------
+
+    def identity(self) -> tuple[str, str]:
+        """(run, job) of this worker's rounds, resolved at the claim (or else the first
+        mini-batch): every rank of the worker group calls both, so rank 0's draw can be
+        shared then."""
+        if self._identity is None:
+            settings = self.reduction_settings
+            # The whole worker group, not one sequence-parallel index's data-parallel
+            # group: every index must reduce under the same job.
+            run = resolve_run(settings.run)
+            self._identity = run, settings.job_of(run)
+        return self._identity
+
+    def claim(self) -> RunClaim:
+        """Claim this worker group's (job, group) for its run, at the round it sends first
+        (0 for a new run, the checkpoint's round counter once ``load_checkpoint`` restored
+        it), before any rollout: a launch the coordinator refuses
+        (:class:`~lossreduce.errors.RunConflictError` naming the holder) stops at start-up
+        instead of at its first mini-batch. A no-op but for the identity with the torch
+        normalizer, which no other run can reach. Every rank calls it (the identity may be
+        a collective)."""
+        run, job = self.identity()
+        took_over = claim_run(self.normalizer(), self._round)
+        return RunClaim(run, job, self._round_group(), self._round, took_over)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+    ) -> Any:
+        """verl's checkpoint, plus this rank's round counter: a run resumed from it
+        continues its rounds where this one stood instead of numbering them from 0."""
+        saved = super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+        _round_file(local_path).write_text(json.dumps({"round": self._round}))
+        return saved
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
+    ) -> Any:
+        """verl's checkpoint, and the round counter saved with it (if any)."""
+        path = _round_file(local_path)
+        if path.is_file():
+            self._round = int(json.loads(path.read_text())["round"])
+        return super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+    # -- the normalizer backends ------------------------------------------------------
+
+    def normalizer(self, suffix: str = "") -> GlobalNormalizer:
+        """The backend summing partials over the data-parallel group, for the rounds of
+        group ``<group><suffix>`` (made on first use)."""
+        if suffix not in self._normalizers:
+            self._normalizers[suffix] = self._make_normalizer(suffix)
+        return self._normalizers[suffix]
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, world size) of this worker in its data-parallel group."""
+        return self.engine.get_data_parallel_rank(), self.engine.get_data_parallel_size()
+
+    def _round_group(self, suffix: str = "") -> str:
+        # Ranks of one sequence-parallel group hold the same rows: each index within
+        # such a group reduces over the data-parallel ranks in a round of its own.
+        mesh = getattr(self.engine, "ulysses_device_mesh", None)
+        group = self.base_group() + suffix
+        return group if mesh is None else f"{group}.sp{mesh['sp'].get_local_rank()}"
+
+    def _make_normalizer(self, suffix: str) -> GlobalNormalizer:
+        settings = self.reduction_settings
+        rank, world = self.data_parallel()
+        if settings.normalizer == "coordinator":
+            from lossreduce.client import ReductionClient
+
+            target, client = self._coordinator()
+            run, job = self.identity()
+            self._clients[suffix] = ReductionClient(
+                target,
+                job=job,
+                group=self._round_group(suffix),
+                run=run,
+                rank=rank,
+                world_size=world,
+                settings=client,
+            )
+            return CoordinatorNormalizer(self._clients[suffix])
+        _, job = self.identity()
+        if world == 1:
+            return LocalNormalizer(job=job, group=self._round_group(suffix))
+        return TorchDistributedNormalizer(
+            self.engine.get_data_parallel_group(), job=job, group=self._round_group(suffix)
+        )
+
+    def _coordinator(self) -> tuple[str, ClientSettings]:
+        """Where the client dials and how: the configured address, or else the job's
+        coordinator actor on this Ray cluster, started here unless a peer did first."""
+        settings = self.reduction_settings
+        if settings.coordinator is not None:
+            return settings.coordinator, settings.client
+        from lossreduce.trainer_worker.integrations.coordinator_actor import (
+            join_coordinator_actor,
+        )
+
+        if self._joined is None:
+            # The actor's rounds wait at most as long as a client call does.
+            round_timeout_s = max(1.0, settings.client.call_timeout_s - 30.0)
+            # Held while this worker lives: Ray ends an actor nobody holds.
+            self._joined = join_coordinator_actor(
+                self.identity()[1], round_timeout_s=round_timeout_s, startup_timeout_s=60.0
+            )
+        endpoint = self._joined.endpoint
+        # The actor's own token and CA (a run's, made fresh) replace any configured.
+        given = settings.client.model_dump(exclude={"token", "tls_root_cert_pem"})
+        client = type(settings.client).model_validate(
+            {**given, "token": endpoint.token, "tls_root_cert_pem": endpoint.ca_cert}
+        )
+        return endpoint.target, client
+
+    def close(self) -> None:
+        """Close the coordinator clients, if any; the next mini-batch opens new ones."""
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        self._normalizers.clear()
+
+    # -- one mini-batch's round -------------------------------------------------------
+
+    def step_rows(self, data: Any, mask: Tensor, mode: PolicyGradientMode) -> tuple[StepRows, int]:
+        """The rows a mini-batch's plan needs and this rank's index among their holders:
+        this rank's alone (index 0), or for ``prompt_mean`` every rank's (a group's tokens
+        and its owner span ranks), rank-major (index: the data-parallel rank)."""
+        tokens = mask.sum(-1).to(torch.float64).cpu()  # [B] D_i
+        n = tokens.shape[0]
+        if mode is not PolicyGradientMode.PROMPT_MEAN:
+            zeros = torch.zeros(n, dtype=torch.long)
+            return StepRows(process=zeros, window=zeros, group=zeros, tokens=tokens), 0
+        uids = tu.get(data, key="uid", default=None)
+        if uids is None:
+            raise ReductionInputError(
+                f"job {self.identity()[1]!r}: mode 'prompt_mean' needs the prompt "
+                "group of every response (verl's non-tensor field 'uid'), which this "
+                "mini-batch lacks"
+            )
+        mine = (list(map(str, uids)), tokens.tolist())
+        rank, world = self.data_parallel()
+        gathered: list[Any] = [mine]
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine, group=self.engine.get_data_parallel_group())
+        ids = group_ids([u for g_uids, _ in gathered for u in g_uids])
+        process = [r for r, (g_uids, _) in enumerate(gathered) for _ in g_uids]
+        all_tokens = [t for _, g_tokens in gathered for t in g_tokens]
+        rows = StepRows(
+            process=torch.tensor(process, dtype=torch.long),
+            window=torch.zeros(len(process), dtype=torch.long),
+            group=torch.tensor(ids, dtype=torch.long),
+            tokens=torch.tensor(all_tokens, dtype=torch.float64),
+        )
+        return rows, rank
+
+    def next_round(self) -> int:
+        """The round of the mini-batch about to train (every mini-batch takes one)."""
+        self.identity()
+        step = self._round
+        self._round += 1
+        return step
+
+    def reduce(
+        self,
+        step: int,
+        partials: dict[str, Tensor],
+        contracts: dict[str, str],
+        bad: list[str],
+        poisoned: str,
+    ) -> dict[str, float] | None:
+        """The step's global normalizers; None for a skipped empty step; or the round's
+        error, the same on every rank. ``bad`` lists this rank's bad inputs: the round is
+        poisoned (term ``poisoned`` sent as NaN) so every peer aborts too instead of
+        training without this rank."""
+        partials = dict(partials)
+        if bad:
+            partials[poisoned] = torch.tensor(math.nan, dtype=torch.float64)
+        try:
+            totals = self.normalizer().reduce(step, partials, contracts)
+        except InvalidPartialError as err:
+            if not bad:
+                raise
+            here = RankContext(err.job, err.group, step, self.data_parallel()[0])
+            raise here.error(
+                InvalidPartialError,
+                f"bad input at active tokens ({'; '.join(bad)}); no rank trains on this mini-batch",
+                terms=(poisoned,),
+                values=(math.nan,),
+            ) from err
+        except EmptyNormalizerError:
+            if self.reduction_settings.on_empty_step == "raise":
+                raise
+            return None
+        return {term: float(n) for term, n in totals.items()}
+
+    def skipped(self, data: Any) -> Any:
+        """No forward, backward or optimizer step; the lr schedule still advances."""
+        self.skipped_steps += 1
+        lr = self.engine.lr_scheduler_step() if tu.get(data, "update_lr_scheduler", False) else None
+        if not self.engine.is_mp_src_rank_with_outputs():
+            return None
+        metrics: dict[str, Any] = {"loss": 0.0, "grad_norm": 0.0, "mfu": 0.0}
+        metrics.update(round_metrics(self._round - 1, {}, 0.0, skipped=True))
+        if lr is not None:
+            metrics["lr"] = lr
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunClaim:
+    """What one rank claimed at start-up (:meth:`ReducingTrainingWorker.claim`)."""
+
+    run: str
+    job: str
+    group: str
+    step: int
+    """The first round the run sends: 0, or where its checkpoint left the counter."""
+    took_over: bool
+    """The coordinator handed this run the claim of a run it replaced (a resume)."""
+
+    def describe(self) -> str:
+        """One line for the launch's log: which run holds which group from which round."""
+        how = ", taken over from the run it resumes" if self.took_over else ""
+        return (
+            f"lossreduce: run {self.run!r} claimed job {self.job!r} group {self.group!r} "
+            f"from round {self.step}{how}"
+        )
+
+
+def describe_claims(claims: list[RunClaim]) -> list[str]:
+    """One line per group the ranks claimed (every rank of a group claims the same run and
+    round). A takeover is reported to the one rank whose claim made it, whichever came
+    first; the group's line says so if any rank's did."""
+    took: dict[tuple[str, str, str, int], bool] = {}
+    for c in claims:
+        key = (c.run, c.job, c.group, c.step)
+        took[key] = took.get(key, False) or c.took_over
+    return [RunClaim(*key, took_over).describe() for key, took_over in sorted(took.items())]
+
+
+def _round_file(checkpoint: str) -> Path:
+    """Where a rank keeps its round counter in a checkpoint folder (one file per rank:
+    a node-local checkpoint folder holds its own ranks' files)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Path(checkpoint) / f"lossreduce_round_rank{rank}.json"
+
+
+def round_metrics(
+    step: int, totals: dict[str, float], latency: float, *, skipped: bool
+) -> dict[str, float]:
+    """A mini-batch's round as verl metrics."""
+    out = {f"lossreduce/normalizer/{term}": value for term, value in totals.items()}
+    # The mini-batch's round, twice: verl reduces a step's per-mini-batch values by
+    # the key's name (min, max, else mean), so the logged pair spans the step's rounds
+    # and shows how many ran.
+    out["lossreduce/round_min"] = float(step)
+    out["lossreduce/round_max"] = float(step)
+    out["lossreduce/round_latency_s"] = latency
+    out["lossreduce/skipped"] = float(skipped)
+    return out
