@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["GroupLaunch", "group_alive"]
+__all__ = ["GroupLaunch", "end_group", "group_alive"]
 
 
 @dataclass
@@ -88,13 +88,19 @@ class GroupLaunch:
         self._end_group(grace=0.0)
 
     def _end_group(self, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        while group_alive(self.process.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if group_alive(self.process.pid):
-            os.killpg(self.process.pid, signal.SIGKILL)
-            while group_alive(self.process.pid):
-                time.sleep(0.2)
+        end_group(self.process.pid, grace)
+
+
+def end_group(pgid: int, grace: float) -> None:
+    """Wait up to ``grace`` seconds for process group ``pgid`` to end by itself (Ray's
+    processes end with their driver), then SIGKILL what is left and wait for it."""
+    deadline = time.monotonic() + grace
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if group_alive(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+        while group_alive(pgid):
+            time.sleep(0.2)
 
 
 def group_alive(pgid: int) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lossreduce.errors import EmptyNormalizerError, InvalidPartialError, RankContext
@@ -43,6 +44,7 @@ from lossreduce.trainer_worker.normalizers import (
     TorchDistributedNormalizer,
     claim_run,
 )
+from lossreduce.trainer_worker.step_rows import StepRows, group_ids
 
 if TYPE_CHECKING:
     from lossreduce.client import ClientSettings, ReductionClient
@@ -52,7 +54,10 @@ __all__ = [
     "DataParallel",
     "RunClaim",
     "WorkerRounds",
+    "coordinator_client",
     "describe_claims",
+    "gather_rows",
+    "reduce_round",
     "round_file",
     "round_metrics",
 ]
@@ -181,30 +186,17 @@ class WorkerRounds:
         bad: list[str],
         poisoned_term: str,
     ) -> dict[str, float] | None:
-        """The mini-batch's global normalizers; None for a skipped empty mini-batch; or
-        the round's error, the same on every rank. ``bad`` lists this rank's bad inputs
-        (:func:`~lossreduce.trainer_worker.step_rows.bad_inputs`); when there is any,
-        ``poisoned_term``'s partial is sent as NaN."""
-        sent = dict(partials)
-        if bad:
-            sent[poisoned_term] = torch.tensor(math.nan, dtype=torch.float64)
-        try:
-            totals = self.normalizer().reduce(step, sent, dict(contracts))
-        except InvalidPartialError as err:
-            if not bad:
-                raise
-            here = RankContext(err.job, err.group, step, self.dp.rank)
-            raise here.error(
-                InvalidPartialError,
-                f"bad input at active tokens ({'; '.join(bad)}); no rank trains on this mini-batch",
-                terms=(poisoned_term,),
-                values=(math.nan,),
-            ) from err
-        except EmptyNormalizerError:
-            if self.settings.on_empty_step == "raise":
-                raise
-            return None
-        return {term: float(n) for term, n in totals.items()}
+        """:func:`reduce_round` through this rank's backend."""
+        return reduce_round(
+            self.normalizer(),
+            step,
+            partials,
+            contracts,
+            bad=bad,
+            poisoned_term=poisoned_term,
+            on_empty_step=self.settings.on_empty_step,
+            rank=self.dp.rank,
+        )
 
     def close(self) -> None:
         """Close the coordinator client, if any; the next round opens a new one."""
@@ -237,26 +229,94 @@ class WorkerRounds:
         return TorchDistributedNormalizer(dp.group, job=job, group=dp.round_group)
 
     def _coordinator(self, job: str) -> tuple[str, ClientSettings]:
-        """Where the client dials and how: the configured address, or else the job's
-        coordinator actor on this Ray cluster, started here unless a peer did first."""
-        settings = self.settings
-        coordinator = getattr(settings, "coordinator", None)
-        if coordinator is not None:
-            return str(coordinator), settings.client
+        target, client, self._joined = coordinator_client(self.settings, job, self._joined)
+        return target, client
+
+
+def gather_rows(keys: list[str], tokens: Tensor, *, world: int, group: Any) -> StepRows:
+    """Every data-parallel rank's rows of one mini-batch, rank-major, for ``prompt_mean``
+    (a prompt group's tokens and its owner span ranks): ``keys`` names this rank's rows'
+    prompt groups, ``tokens`` (``[B]``) their ``D_i``; ``group`` is the data-parallel
+    process group of ``world`` ranks (an all-gather of the keys and counts)."""
+    mine = (list(keys), tokens.tolist())
+    gathered: list[Any] = [mine]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine, group=group)
+    process = [r for r, (g_keys, _) in enumerate(gathered) for _ in g_keys]
+    return StepRows(
+        process=torch.tensor(process, dtype=torch.long),
+        window=torch.zeros(len(process), dtype=torch.long),
+        group=torch.tensor(
+            group_ids([k for g_keys, _ in gathered for k in g_keys]), dtype=torch.long
+        ),
+        tokens=torch.tensor([t for _, g_tokens in gathered for t in g_tokens], dtype=torch.float64),
+    )
+
+
+def reduce_round(
+    normalizer: GlobalNormalizer,
+    step: int,
+    partials: Mapping[str, Tensor],
+    contracts: Mapping[str, str],
+    *,
+    bad: list[str],
+    poisoned_term: str,
+    on_empty_step: str,
+    rank: int,
+) -> dict[str, float] | None:
+    """One mini-batch's global normalizers; None for a skipped empty mini-batch
+    (``on_empty_step='skip'``); or the round's error, the same on every rank. ``bad`` lists
+    this rank's bad inputs (:func:`~lossreduce.trainer_worker.step_rows.bad_inputs`): then
+    ``poisoned_term``'s partial is sent as NaN, so every peer aborts too instead of training
+    without this rank, and this rank's error names what was bad."""
+    sent = dict(partials)
+    if bad:
+        sent[poisoned_term] = torch.tensor(math.nan, dtype=torch.float64)
+    try:
+        totals = normalizer.reduce(step, sent, dict(contracts))
+    except InvalidPartialError as err:
+        if not bad:
+            raise
+        here = RankContext(err.job, err.group, step, rank)
+        raise here.error(
+            InvalidPartialError,
+            f"bad input at active tokens ({'; '.join(bad)}); no rank trains on this mini-batch",
+            terms=(poisoned_term,),
+            values=(math.nan,),
+        ) from err
+    except EmptyNormalizerError:
+        if on_empty_step == "raise":
+            raise
+        return None
+    return {term: float(n) for term, n in totals.items()}
+
+
+def coordinator_client(
+    settings: ReductionSettings, job: str, joined: JoinedCoordinator | None
+) -> tuple[str, ClientSettings, JoinedCoordinator | None]:
+    """Where a rank's client dials and how: ``settings.coordinator`` with the configured
+    client, or else ``job``'s coordinator actor on this Ray cluster (``joined``, or joined
+    here: started unless a peer did first), with the actor's own token and CA. Returns the
+    joined actor too, which the caller holds while it lives (Ray ends an actor nobody
+    holds)."""
+    coordinator = getattr(settings, "coordinator", None)
+    if coordinator is not None:
+        return str(coordinator), settings.client, joined
+    if joined is None:
         from lossreduce.trainer_worker.integrations.coordinator_actor import (
             join_coordinator_actor,
         )
 
         # The actor's rounds wait at most as long as a client call does.
         round_timeout_s = max(1.0, settings.client.call_timeout_s - 30.0)
-        # Held while this worker lives: Ray ends an actor nobody holds.
-        self._joined = join_coordinator_actor(
+        joined = join_coordinator_actor(
             job, round_timeout_s=round_timeout_s, startup_timeout_s=60.0
         )
-        endpoint = self._joined.endpoint
-        # The actor's own token and CA (a run's, made fresh) replace any configured.
-        given = settings.client.model_dump(exclude={"token", "tls_root_cert_pem"})
-        client = type(settings.client).model_validate(
-            {**given, "token": endpoint.token, "tls_root_cert_pem": endpoint.ca_cert}
-        )
-        return endpoint.target, client
+    endpoint = joined.endpoint
+    # The actor's own token and CA (a run's, made fresh) replace any configured.
+    given = settings.client.model_dump(exclude={"token", "tls_root_cert_pem"})
+    client = type(settings.client).model_validate(
+        {**given, "token": endpoint.token, "tls_root_cert_pem": endpoint.ca_cert}
+    )
+    return endpoint.target, client, joined

@@ -283,8 +283,12 @@ def overrides(
         "trainer.algorithm.entropy_loss_coef=0.01",
         "trainer.placement.colocate_all=false",
         "trainer.placement.colocate_policy_ref=false",
-        "trainer.placement.policy_num_gpus_per_node=2",
-        "trainer.placement.ref_num_gpus_per_node=2",
+        # Two "nodes" of one CPU "GPU" each: SkyRL then skips its GPU peer-access probe
+        # (a Ray start of its own on a CPU head node); Ray places both on this node.
+        "trainer.placement.policy_num_nodes=2",
+        "trainer.placement.policy_num_gpus_per_node=1",
+        "trainer.placement.ref_num_nodes=2",
+        "trainer.placement.ref_num_gpus_per_node=1",
         "trainer.flash_attn=false",
         "trainer.remove_microbatch_padding=false",
         "trainer.gradient_checkpointing=false",

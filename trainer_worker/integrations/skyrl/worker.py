@@ -74,6 +74,7 @@ from lossreduce.trainer_worker.integrations.worker_rounds import (
     DataParallel,
     RunClaim,
     WorkerRounds,
+    gather_rows,
     round_file,
     round_metrics,
 )
@@ -209,20 +210,8 @@ class LossReducePolicyWorker(FSDPPolicyWorkerBase):  # type: ignore[misc]
             )
         # A group's tokens and owner span ranks: every rank sees every rank's rows.
         dp = self.rounds.dp
-        mine = (groups.cpu().tolist(), tokens.tolist())
-        gathered: list[Any] = [mine]
-        if dp.size > 1:
-            gathered = [None] * dp.size
-            dist.all_gather_object(gathered, mine, group=dp.group)
-        rows = StepRows(
-            process=torch.tensor(
-                [r for r, (g, _) in enumerate(gathered) for _ in g], dtype=torch.long
-            ),
-            window=torch.zeros(sum(len(g) for g, _ in gathered), dtype=torch.long),
-            group=torch.tensor([x for g, _ in gathered for x in g], dtype=torch.long),
-            tokens=torch.tensor([t for _, ts in gathered for t in ts], dtype=torch.float64),
-        )
-        return rows, dp.rank
+        keys = [str(g) for g in groups.cpu().tolist()]
+        return gather_rows(keys, tokens, world=dp.size, group=dp.group), dp.rank
 
     def forward_backward(
         self,

@@ -52,6 +52,8 @@ class Case:
     step: bool = False  # call optim_step after forward_backward
     max_tokens: int = -1  # SkyRL's max_tokens_per_microbatch (token-based micro-batches)
     policy_loss: str = "regular"
+    rollout_logprobs: bool = False  # the batch carries the rollout's log-probabilities
+    on_policy: bool = False  # old log-probabilities are the model's own (ratios start at 1)
     extra: dict[str, Any] = field(default_factory=dict)  # more lossreduce settings
 
 
@@ -190,10 +192,16 @@ def _run_case(case: Case, rank: int, layout: Layout) -> dict[str, Any]:
     worker = _worker(case, rank, layout)
     model = worker.model.model
     batch = batch_of(case)
+    if case.on_policy:
+        batch = tiny_skyrl.on_policy(batch, layout.model_dir)
     if case.worker == "stock":
         batch = _stock_advantages(case, batch, layout.micro)
     mine = tiny_skyrl.shard(batch, rank, layout.world)
-    data = tiny_skyrl.training_batch(mine, **{PROMPT_FIELD: mine.group})
+    extra = {PROMPT_FIELD: mine.group}
+    if case.rollout_logprobs:
+        # What the inference engine reported: close to the old policy's.
+        extra["rollout_logprobs"] = mine.old_log_probs + 0.05 * torch.sin(mine.old_log_probs)
+    data = tiny_skyrl.training_batch(mine, **extra)
     before = {n: _full(p) for n, p in model.named_parameters()}
     result: dict[str, Any] = {"error": None, "error_type": None}
     try:

@@ -50,6 +50,17 @@ SPLIT_RTOL = 1e-6
 STOCK_SPLIT_SPREAD = 0.1
 """Stock SkyRL's entropy gradient moves at least this much between micro-batch sizes."""
 PG_ONLY: dict[str, Any] = {"kl": False, "entropy": False}
+POLICY_LOSSES = (
+    "regular",
+    "dual_clip",
+    "gspo",
+    "cispo",
+    "sapo",
+    "dppo",
+    "rollout_is",
+    "importance_sampling",
+)
+"""SkyRL 0.4's registered policy losses that lossreduce runs (the others are refused)."""
 ENTROPY_ONLY: dict[str, Any] = {"kl": False, "zero_advantages": True}
 KL_ONLY: dict[str, Any] = {"entropy": False, "zero_advantages": True}
 
@@ -121,7 +132,27 @@ def layout_cases(layout: str, target: str) -> list[Case]:
                 step=True,
             ),
             Case("seq_mean-counts", mode="seq_mean", **PG_ONLY),
+            Case(
+                "stock-nan-advantage",
+                worker="stock",
+                batch="nan_advantage",
+                optimizer="adamw",
+                step=True,
+            ),
+            Case("stock-empty", worker="stock", batch="all_masked", optimizer="adamw", step=True),
         ]
+        for loss in POLICY_LOSSES:
+            for worker in ("stock", "lossreduce"):
+                cases.append(
+                    Case(
+                        f"{worker}-loss-{loss}",
+                        worker=worker,
+                        policy_loss=loss,
+                        rollout_logprobs=True,
+                        on_policy=True,
+                        **PG_ONLY,
+                    )
+                )
     return cases
 
 
@@ -343,7 +374,39 @@ def test_with_every_response_active_skyrls_kl_is_lossreduces_seq_mean_kl(
     assert relative(ours, stock) <= 1e-6
 
 
+@pytest.mark.parametrize("loss", POLICY_LOSSES)
+def test_every_policy_loss_skyrl_ships_gives_skyrls_own_token_mean_update(
+    results: Results, loss: str
+) -> None:
+    """Each of SkyRL's registered policy losses (but the refused ones) runs with lossreduce's
+    normalizers and gives SkyRL's own gradient in ``token_mean`` (2 ranks, a first
+    on-policy update, with the rollout's log-probabilities in the batch, which
+    ``rollout_is`` needs)."""
+    stock = grads(results, "dp2-mb2", f"stock-loss-{loss}")
+    ours = grads(results, "dp2-mb2", f"lossreduce-loss-{loss}")
+    assert relative(ours, stock) <= 1e-6
+    assert any(bool(g.any()) for g in ours.values())
+
+
 # -- bad input, empty mini-batches -----------------------------------------------------
+
+
+def test_stock_skyrl_trains_on_a_nan_advantage_without_an_error(results: Results) -> None:
+    """The loss and every gradient turn NaN; SkyRL's optimizer step skips a non-finite
+    gradient norm with a logged warning, on each rank for itself."""
+    for rank in ok(results, "dp2-mb2", "stock-nan-advantage"):
+        assert math.isnan(rank["metrics"]["policy_loss"])
+        assert math.isnan(float(rank["grad_norm"]))
+        assert rank["optimizer_steps"] == 0
+
+
+def test_stock_skyrl_steps_on_an_empty_mini_batch(results: Results) -> None:
+    """SkyRL's counts are clamped to 1: a mini-batch whose responses are all masked trains
+    on a zero gradient without an error, and AdamW's weight decay still moves the weights."""
+    for rank in ok(results, "dp2-mb2", "stock-empty"):
+        assert float(rank["grad_norm"]) == 0.0
+        assert rank["optimizer_steps"] > 0
+        assert any(bool(delta.any()) for delta in rank["update"].values())
 
 
 def test_a_nan_advantage_is_refused_on_every_rank_before_backward(results: Results) -> None:

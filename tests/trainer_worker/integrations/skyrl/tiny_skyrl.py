@@ -130,6 +130,16 @@ def rows(*, masked_row: int | None = MASKED_ROW, all_masked: bool = False) -> Ro
     )
 
 
+def on_policy(batch: Rows, model_dir: Path) -> Rows:
+    """``batch`` with the old log-probabilities the model at ``model_dir`` gives its
+    responses: importance ratios start at 1, as in a first on-policy update (losses that
+    zero the tokens whose ratio is far from 1, like ``rollout_is``, then train)."""
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    with torch.no_grad():
+        log_probs, _ = _log_probs(model.float(), batch)
+    return replace(batch, old_log_probs=log_probs.detach())
+
+
 def with_advantages(batch: Rows, advantages: torch.Tensor) -> Rows:
     """``batch`` with other advantages (``[B, R]``)."""
     return replace(batch, advantages=advantages)
