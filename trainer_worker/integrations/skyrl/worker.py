@@ -185,12 +185,16 @@ class LossReducePolicyWorker(FSDPPolicyWorkerBase):  # type: ignore[misc]
         mask = data["loss_mask"].cpu()  # [B, T]
         tokens = (mask != 0).sum(-1).to(torch.float64)  # [B] D_i
         rows, rank = self._rows(data, tokens, reductions)
-        inputs = {"advantages": data["advantages"], "action_log_probs": data["action_log_probs"]}
-        if algorithm.use_kl_loss:
-            inputs["base_action_log_probs"] = data["base_action_log_probs"]
-        if data.get("rollout_logprobs") is not None:
-            inputs["rollout_logprobs"] = data["rollout_logprobs"]
-        found = bad_inputs(mask, {k: v.cpu() for k, v in inputs.items()}, self.mesh_rank.dp)
+        # The old log-probabilities are None where SkyRL skips their forward (rollout_is,
+        # dppo: the loss reads the rollout's); the reference's only with the KL loss.
+        wanted = {"advantages": True, "action_log_probs": True, "rollout_logprobs": True}
+        wanted["base_action_log_probs"] = bool(algorithm.use_kl_loss)
+        inputs = {
+            name: data[name].cpu()
+            for name, use in wanted.items()
+            if use and data.get(name) is not None
+        }
+        found = bad_inputs(mask, inputs, self.mesh_rank.dp)
         return plan_terms(reductions, rows, rank), found
 
     def _rows(

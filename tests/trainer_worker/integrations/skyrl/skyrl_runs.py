@@ -54,6 +54,7 @@ class Case:
     policy_loss: str = "regular"
     rollout_logprobs: bool = False  # the batch carries the rollout's log-probabilities
     on_policy: bool = False  # old log-probabilities are the model's own (ratios start at 1)
+    without_old: bool = False  # no old log-probabilities: SkyRL skipped their forward
     extra: dict[str, Any] = field(default_factory=dict)  # more lossreduce settings
 
 
@@ -202,6 +203,8 @@ def _run_case(case: Case, rank: int, layout: Layout) -> dict[str, Any]:
         # What the inference engine reported: close to the old policy's.
         extra["rollout_logprobs"] = mine.old_log_probs + 0.05 * torch.sin(mine.old_log_probs)
     data = tiny_skyrl.training_batch(mine, **extra)
+    if case.without_old:
+        data["action_log_probs"] = None
     before = {n: _full(p) for n, p in model.named_parameters()}
     result: dict[str, Any] = {"error": None, "error_type": None}
     try:

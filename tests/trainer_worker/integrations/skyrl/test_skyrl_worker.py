@@ -150,6 +150,8 @@ def layout_cases(layout: str, target: str) -> list[Case]:
                         policy_loss=loss,
                         rollout_logprobs=True,
                         on_policy=True,
+                        # SkyRL skips the old log-probabilities' forward for these two.
+                        without_old=loss in ("rollout_is", "dppo"),
                         **PG_ONLY,
                     )
                 )
@@ -381,7 +383,8 @@ def test_every_policy_loss_skyrl_ships_gives_skyrls_own_token_mean_update(
     """Each of SkyRL's registered policy losses (but the refused ones) runs with lossreduce's
     normalizers and gives SkyRL's own gradient in ``token_mean`` (2 ranks, a first
     on-policy update, with the rollout's log-probabilities in the batch, which
-    ``rollout_is`` needs)."""
+    ``rollout_is`` needs; without the old ones for ``rollout_is`` and ``dppo``, whose
+    forward SkyRL's trainer then skips)."""
     stock = grads(results, "dp2-mb2", f"stock-loss-{loss}")
     ours = grads(results, "dp2-mb2", f"lossreduce-loss-{loss}")
     assert relative(ours, stock) <= 1e-6
