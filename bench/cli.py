@@ -35,6 +35,7 @@ from lossreduce.bench.e2e import (
     run_trl_e2e,
     run_verl_e2e,
     run_verl_main_ppo_e2e,
+    run_verl_statistics_e2e,
 )
 from lossreduce.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
 from lossreduce.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
@@ -371,6 +372,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     e2e = None
     e2e_trl = None
     e2e_verl = None
+    e2e_verl_statistics = None
     e2e_main_ppo = None
     e2e_areal = None
     e2e_skyrl = None
@@ -389,6 +391,8 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         e2e_trl = run_trl_e2e()
         print("end to end: a verl actor step, lossreduce normalizers vs verl's token-mean")
         e2e_verl = run_verl_e2e()
+        print("end to end: verl's kl_cov, its statistic over the mini-batch vs per call")
+        e2e_verl_statistics = run_verl_statistics_e2e()
         if settings.e2e_main_ppo:
             print("end to end: verl main_ppo, the lossreduce trainer mode vs stock", flush=True)
             e2e_main_ppo = run_verl_main_ppo_e2e()
@@ -411,6 +415,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "e2e": e2e,
         "e2e_trl": e2e_trl,
         "e2e_verl": e2e_verl,
+        "e2e_verl_statistics": e2e_verl_statistics,
         "e2e_verl_main_ppo": e2e_main_ppo,
         "e2e_areal": e2e_areal,
         "e2e_skyrl": e2e_skyrl,

@@ -32,6 +32,7 @@ __all__ = [
     "run_trl_e2e",
     "run_verl_e2e",
     "run_verl_main_ppo_e2e",
+    "run_verl_statistics_e2e",
     "step_seconds",
 ]
 
@@ -185,6 +186,33 @@ def run_verl_e2e() -> dict[str, float | int | bool] | None:
     from lossreduce.bench.frameworks.verl import run_verl_bench
 
     return _framework_step("verl", "token-mean", "verl", run_verl_bench())
+
+
+def run_verl_statistics_e2e() -> dict[str, float | int] | None:
+    """What verl's ``kl_cov`` costs with its statistic over the whole mini-batch: a
+    lossreduce actor step (``statistics='mini_batch'``: a no-grad forward of the
+    mini-batch, then the statistics' rounds) against stock verl's ``kl_cov`` (per
+    micro-batch, in the loss), and lossreduce with ``statistics='per_call'`` (verl's own)
+    against the same, each ABBA in one process. No target: the forward is the price of a
+    split-invariant statistic; None, said in one line, when verl is not installed."""
+    if _verl_missing("verl kl_cov step"):
+        return None
+    from lossreduce.bench.frameworks.verl import VerlBenchSettings, run_verl_bench
+
+    out: dict[str, float | int] = {}
+    for scope in ("mini_batch", "per_call"):
+        result = run_verl_bench(VerlBenchSettings(loss_mode="kl_cov", statistics=scope))
+        print(
+            f"  verl kl_cov step, statistics={scope}: lossreduce "
+            f"{result.lossreduce_step_s * 1e3:.1f} ms vs verl {result.verl_step_s * 1e3:.1f} ms "
+            f"(median of {result.lossreduce_steps} / {result.verl_steps} steps, ABBA): "
+            f"ratio {result.ratio:.3f}",
+            flush=True,
+        )
+        out[f"{scope}_lossreduce_step_s"] = result.lossreduce_step_s
+        out[f"{scope}_verl_step_s"] = result.verl_step_s
+        out[f"{scope}_ratio"] = result.ratio
+    return out
 
 
 def run_verl_main_ppo_e2e() -> dict[str, float | int | bool] | None:

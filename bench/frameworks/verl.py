@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +60,16 @@ class VerlBenchSettings(BaseModel):
     mode: PolicyGradientMode = Field(
         default=PolicyGradientMode.TOKEN_MEAN,
         description="lossreduce mode of the measured worker (token_mean is token-mean's meaning).",
+    )
+    loss_mode: str = Field(
+        default="vanilla",
+        description="verl's actor.policy_loss.loss_mode, the same on both sides: 'kl_cov' or "
+        "'clip_cov' times lossreduce's statistics over the whole mini-batch (a no-grad "
+        "forward and the statistics' rounds) against verl's own per micro-batch.",
+    )
+    statistics: Literal["mini_batch", "per_call"] = Field(
+        default="mini_batch",
+        description="lossreduce's statistics scope for such a loss (VerlReductionSettings).",
     )
     seed: int = Field(default=0, description="Seed of the model weights and the batch.")
 
@@ -156,6 +166,7 @@ def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> A
         FSDPEngineConfig,
         FSDPOptimizerConfig,
         HFModelConfig,
+        PolicyLossConfig,
         TrainingWorkerConfig,
     )
     from verl.workers.engine_workers import TrainingWorker
@@ -186,11 +197,13 @@ def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> A
         ppo_mini_batch_size=settings.responses,
         ppo_micro_batch_size_per_gpu=settings.micro_batch_size,
         rollout_n=1,
+        policy_loss=PolicyLossConfig(loss_mode=settings.loss_mode),
+    )
+    reduction = VerlReductionSettings(
+        mode=settings.mode, statistics=settings.statistics, job="verl-bench"
     )
     worker = (
-        LossReduceTrainingWorker(
-            config, reduction=VerlReductionSettings(mode=settings.mode, job="verl-bench")
-        )
+        LossReduceTrainingWorker(config, reduction=reduction)
         if lossreduce
         else TrainingWorker(config)
     )

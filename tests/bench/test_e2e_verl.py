@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from lossreduce.bench.e2e import run_verl_e2e
+from lossreduce.bench.e2e import run_verl_e2e, run_verl_statistics_e2e
 
 
 @pytest.mark.skipif(
@@ -16,3 +16,14 @@ from lossreduce.bench.e2e import run_verl_e2e
 def test_the_verl_step_is_skipped_without_verl(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_verl_e2e() is None
     assert "verl step: skipped (verl is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("verl") is not None,
+    reason="verl is installed here: tests/trainer_worker/integrations/verl runs its bench",
+)
+def test_the_verl_statistics_step_is_skipped_without_verl(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_verl_statistics_e2e() is None
+    assert "verl kl_cov step: skipped (verl is not installed" in capsys.readouterr().out

@@ -34,12 +34,14 @@ __all__ = [
     "WORDS",
     "Inputs",
     "Launch",
+    "critic_overrides",
     "launch_env",
     "logged_steps",
     "main_ppo_env",
     "overrides",
     "run_main_ppo",
     "save_model",
+    "save_value_model",
     "tokenizer",
     "write_inputs",
 ]
@@ -122,6 +124,20 @@ def save_model(folder: Path, *, chat: bool = False) -> Path:
     return folder
 
 
+def save_value_model(folder: Path, *, chat: bool = False) -> Path:
+    """The tiny Qwen2 of :func:`save_model` with a value head (token classification, one
+    label), seeded and saved whole, so verl's critic loads these exact weights."""
+    import torch
+    from transformers import Qwen2ForTokenClassification
+
+    save_model(folder, chat=chat)
+    config = Qwen2ForTokenClassification.config_class.from_pretrained(folder)
+    config.num_labels = 1
+    torch.manual_seed(1)
+    Qwen2ForTokenClassification(config).save_pretrained(folder)
+    return folder
+
+
 @dataclass(frozen=True)
 class Inputs:
     """Where a launch's inputs lie."""
@@ -129,16 +145,23 @@ class Inputs:
     model: Path
     train: Path
     reward: Path
+    value_model: Path | None = None
+    """The critic's value model (:func:`save_value_model`), for PPO with a critic."""
 
 
-def write_inputs(folder: Path) -> Inputs:
-    """The model, chat tokenizer, dataset and reward function of a run, under ``folder``."""
+def write_inputs(folder: Path, *, critic: bool = False) -> Inputs:
+    """The model, chat tokenizer, dataset and reward function of a run, under ``folder``
+    (with ``critic``, a value model too)."""
     import pandas as pd
 
     model = save_model(folder / "model", chat=True)
     tok = tokenizer(chat=True)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(model)
+    value_model = None
+    if critic:
+        value_model = save_value_model(folder / "value-model", chat=True)
+        tok.save_pretrained(value_model)
     letters = WORDS[2:]
     rows = [
         {
@@ -153,7 +176,7 @@ def write_inputs(folder: Path) -> Inputs:
     pd.DataFrame(rows).to_parquet(train)
     reward = folder / "reward.py"
     reward.write_text(REWARD)
-    return Inputs(model=model, train=train, reward=reward)
+    return Inputs(model=model, train=train, reward=reward, value_model=value_model)
 
 
 def overrides(
@@ -165,9 +188,10 @@ def overrides(
     cuda: bool = False,
 ) -> list[str]:
     """The run's Hydra overrides (data, model, sizes) without the trainer mode: on 2 CPU
-    ranks, or with ``cuda`` on one GPU (scripts/gpu_check.sh)."""
+    ranks, or with ``cuda`` on one GPU (scripts/gpu_check.sh). With a value model in
+    ``inputs``: PPO with a critic (GAE advantages) instead of GRPO."""
     return [
-        "algorithm.adv_estimator=grpo",
+        "algorithm.adv_estimator=" + ("grpo" if inputs.value_model is None else "gae"),
         f"data.train_files={inputs.train}",
         f"data.val_files={inputs.train}",
         "data.train_batch_size=4",
@@ -198,6 +222,7 @@ def overrides(
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"reward.custom_reward_function.path={inputs.reward}",
+        *([] if inputs.value_model is None else critic_overrides(inputs.value_model)),
         f"trainer.n_gpus_per_node={1 if cuda else 2}",
         "trainer.nnodes=1",
         f"trainer.total_training_steps={steps}",
@@ -221,6 +246,20 @@ def overrides(
             "+ray_kwargs.ray_init.address=local",
         ]
     )
+
+
+def critic_overrides(value_model: Path) -> list[str]:
+    """The critic of PPO with GAE: the value model, FSDP2 in float32, eager attention,
+    micro-batches of 2, as the actor's."""
+    return [
+        f"critic.model.path={value_model}",
+        "critic.model.use_remove_padding=False",
+        "+critic.model.override_config.attn_implementation=eager",
+        "critic.strategy=fsdp2",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "critic.optim.lr=1e-2",
+        "critic.fsdp.model_dtype=fp32",
+    ]
 
 
 def launch_env(*, cuda: bool = False) -> dict[str, str]:

@@ -5,8 +5,12 @@ registers ``cpu`` when imported: load it in every process with
 ``VERL_USE_EXTERNAL_MODULES=lossreduce.trainer_worker.cpu_standins.verl.platform``
 and select it with ``VERL_PLATFORM=cpu`` (all of it: :data:`.env.CPU_ENV`). The device
 module is ``torch.cpu`` plus the memory statistics verl logs (zeros); the
-collective backend is gloo. Only CPU-only runs need it (the tests, the bench);
-a GPU run never imports it. It imports nothing of lossreduce beyond this.
+collective backend is gloo. verl's critic loads its value model with
+``attn_implementation="flash_attention_2"`` whatever the model config says
+(``verl.utils.model.load_valuehead_model``), which has no CPU kernel: here it loads
+with the config's own attention (eager in the tests). Only CPU-only runs need it
+(the tests, the bench); a GPU run never imports it. It imports nothing of
+lossreduce beyond this.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 import verl.utils.distributed as verl_distributed
 import verl.utils.fsdp_utils as verl_fsdp_utils
+import verl.utils.model as verl_model
 from torch.distributed.fsdp import CPUOffloadPolicy
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
@@ -85,6 +90,25 @@ class _UnpinnedCPUOffloadPolicy(CPUOffloadPolicy):
 # verl's FSDP engine offloads a forward-only model (the reference policy) with
 # CPUOffloadPolicy(pin_memory=True), imported from fsdp_utils after this module.
 verl_fsdp_utils.CPUOffloadPolicy = _UnpinnedCPUOffloadPolicy
+
+
+def _cpu_value_model(
+    local_path: str, torch_dtype: Any, model_config: Any, trust_remote_code: bool
+) -> Any:
+    """verl's value model (a token-classification head of one label) with the attention
+    its config names, as ``load_valuehead_model`` loads it but for flash attention."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        pretrained_model_name_or_path=local_path,
+        torch_dtype=torch_dtype,
+        config=model_config,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+# verl's FSDP engine imports it from verl.utils.model when it builds a value model.
+verl_model.load_valuehead_model = _cpu_value_model
 
 
 @PlatformRegistry.register(platform="cpu")

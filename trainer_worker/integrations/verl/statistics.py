@@ -165,12 +165,31 @@ def mini_batch_importance_mean(
     """``bypass_mode``'s mean importance weight over the whole mini-batch (verl's
     ``rollout_is_batch_normalize``, which verl takes per call): over the active tokens
     for token-level weights, over the active responses for sequence-level ones."""
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
-
     mask = mask.bool()
     level = correction.get("rollout_is", None)
     if level is None:
         return MiniBatchStatistics()
+    if not bool(mask.any()):
+        # verl's helper raises on a share without an active token; this rank has no
+        # weight to add, and still takes part in the round.
+        values = torch.zeros(0, dtype=log_prob.dtype)
+    else:
+        values = _importance_values(correction, level, log_prob, rollout_log_prob, mask)
+    sums = global_exact_sums({"importance": values}, **place.phase(0))
+    mean = sums["importance"].mean
+    return MiniBatchStatistics(
+        importance_mean=mean,
+        metrics={} if mean is None else {"lossreduce/stats/importance_mean": float(mean)},
+    )
+
+
+def _importance_values(
+    correction: Any, level: str, log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor
+) -> Tensor:
+    """This rank's truncated importance weights, one per active token (token level) or
+    per active response (sequence level), as verl's helper computes them."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
     weights, _ = compute_rollout_correction_weights(
         log_ratio=log_prob - rollout_log_prob,
         response_mask=mask,
@@ -182,12 +201,5 @@ def mini_batch_importance_mean(
         # One weight per response, the same at each of its tokens: its first active one.
         active = mask.any(-1)  # [B]
         first = mask.to(torch.int64).argmax(-1)  # [B]
-        values = weights.gather(-1, first[:, None]).squeeze(-1)[active]
-    else:
-        values = weights[mask]
-    sums = global_exact_sums({"importance": values}, **place.phase(0))
-    mean = sums["importance"].mean if sums["importance"].count else None
-    return MiniBatchStatistics(
-        importance_mean=mean,
-        metrics={} if mean is None else {"lossreduce/stats/importance_mean": float(mean)},
-    )
+        return weights.gather(-1, first[:, None]).squeeze(-1)[active]  # type: ignore[no-any-return]
+    return weights[mask]  # type: ignore[no-any-return]

@@ -13,10 +13,14 @@ run the resumed ones must equal (``test_main_ppo_resume.py``, its third).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from lossreduce.trainer_worker.cpu_standins.verl.launch import save_model, save_value_model
+from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.verl.main_ppo_launch import (
     COMPUTE_IN_FLOAT32,
     ONE_MINI_BATCH,
@@ -25,7 +29,7 @@ from tests.trainer_worker.integrations.verl.main_ppo_launch import (
     Launch,
     launched,
 )
-from tests.trainer_worker.integrations.verl.verl_runs import prepare_test_process
+from tests.trainer_worker.integrations.verl.verl_runs import VALUE_MODEL, prepare_test_process
 
 prepare_test_process()
 
@@ -36,3 +40,19 @@ def token_mean_float32(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     float32, one mini-batch a step, :data:`STEPS` steps without interruption."""
     folder: Path = tmp_path_factory.mktemp("token-mean")
     return launched(folder, [*COMPUTE_IN_FLOAT32, *TOKEN_MEAN], STEPS, ONE_MINI_BATCH)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 the worker tests train, with the critic's value model in it."""
+    folder = save_model(tmp_path_factory.mktemp("tiny-qwen2"))
+    save_value_model(folder / VALUE_MODEL)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def coordinator_target() -> Iterator[str]:
+    """A coordinator on a free loopback port for one test module's cases."""
+    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
+    yield thread.target
+    thread.stop()

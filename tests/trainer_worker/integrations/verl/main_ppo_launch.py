@@ -73,10 +73,17 @@ def documented_command(work: str = "$WORK") -> str:
     return " \\\n".join(lines) + "\n"
 
 
-def launched(folder: Path, args: list[str], steps: int = STEPS, mini_batch_size: int = 2) -> Launch:
+def launched(
+    folder: Path,
+    args: list[str],
+    steps: int = STEPS,
+    mini_batch_size: int = 2,
+    *,
+    critic: bool = False,
+) -> Launch:
     """The test launch (:func:`overrides`) plus ``args`` in ``folder``, which must finish
-    and log every one of its ``steps``."""
-    inputs = write_inputs(folder)
+    and log every one of its ``steps`` (``critic``: PPO with a critic instead of GRPO)."""
+    inputs = write_inputs(folder, critic=critic)
     settings = overrides(inputs, steps=steps, mini_batch_size=mini_batch_size)
     run = run_main_ppo(folder, [*settings, *args])
     if run.returncode != 0:

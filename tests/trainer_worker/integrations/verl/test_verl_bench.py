@@ -17,3 +17,13 @@ def test_the_bench_times_both_workers_in_abba_order() -> None:
     assert result.lossreduce_step_s > 0
     assert result.verl_step_s > 0
     assert math.isfinite(result.ratio)
+
+
+def test_the_bench_times_kl_cov_with_its_statistic_over_the_mini_batch() -> None:
+    """Both sides run verl's kl_cov; lossreduce's step adds the no-grad forward."""
+    settings = VerlBenchSettings(
+        rounds=1, responses=8, micro_batch_size=4, hidden_size=16, layers=1, loss_mode="kl_cov"
+    )
+    result = run_verl_bench(settings)
+    assert result.lossreduce_steps == result.verl_steps == 2
+    assert math.isfinite(result.ratio)

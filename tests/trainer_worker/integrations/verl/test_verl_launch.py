@@ -143,3 +143,69 @@ def test_main_ppo_refuses_a_bad_setting_in_its_driver_before_ray_starts(tmp_path
     assert "ReductionConfigError" in done.stderr, done.stderr[-3000:]
     assert "actor_rollout_ref.lossreduce.mode=bogus" in done.stderr
     assert "ray init kwargs" not in done.stdout  # stopped before main_ppo starts Ray
+
+
+# -- the actor's and critic's options, before Ray ------------------------------------------
+
+
+@pytest.mark.parametrize("loss", ["sapo", "geo_mean"])
+def test_a_policy_loss_in_a_mode_without_meaning_is_refused_before_ray(loss: str) -> None:
+    overrides = [
+        "trainer.v1.trainer_mode=lossreduce",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
+    ]
+    with pytest.raises(ReductionConfigError) as caught:
+        check_launch(composed(overrides))
+    assert f"actor.policy_loss.loss_mode={loss!r} with lossreduce mode 'token_mean'" in str(
+        caught.value
+    )
+    check_launch(composed([*overrides, "+actor_rollout_ref.lossreduce.mode=seq_mean"]))
+
+
+def test_every_other_registered_loss_passes_the_launch_check() -> None:
+    for loss in ("gspo", "clip_cov", "kl_cov", "cispo", "bypass_mode", "dppo_tv"):
+        check_launch(
+            composed(
+                [
+                    "trainer.v1.trainer_mode=lossreduce",
+                    f"actor_rollout_ref.actor.policy_loss.loss_mode={loss}",
+                ]
+            )
+        )
+
+
+def test_the_critics_options_are_checked_when_the_launch_has_a_critic() -> None:
+    overrides = [
+        "trainer.v1.trainer_mode=lossreduce",
+        "algorithm.adv_estimator=gae",
+        "critic.loss_agg_mode=seq-mean-token-sum",
+    ]
+    config = composed(overrides)
+    check_launch(config, use_critic=False)
+    with pytest.raises(ReductionConfigError) as caught:
+        check_launch(config, use_critic=True)
+    assert "critic.loss_agg_mode='seq-mean-token-sum'" in str(caught.value)
+    check_launch(
+        composed(
+            [
+                *overrides[:2],
+                "critic.loss_agg_mode=seq-mean-token-mean",
+                "+actor_rollout_ref.lossreduce.critic_mode=seq_mean",
+            ]
+        ),
+        use_critic=True,
+    )
+
+
+def test_main_ppo_refuses_a_policy_loss_mode_pair_in_its_driver(tmp_path: Path) -> None:
+    done = main_ppo(
+        tmp_path,
+        [
+            "trainer.v1.trainer_mode=lossreduce",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+        ],
+    )
+    assert done.returncode != 0
+    assert "ReductionConfigError" in done.stderr, done.stderr[-3000:]
+    assert "set mode to seq_mean" in done.stderr
+    assert "ray init kwargs" not in done.stdout  # stopped before main_ppo starts Ray

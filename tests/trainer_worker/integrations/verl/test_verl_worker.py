@@ -12,21 +12,20 @@ the KL loss and the entropy bonus on unless it says otherwise.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 
-from lossreduce.ports import free_port
-from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from lossreduce.trainer_worker.cpu_standins.verl import launch as cpu_launch
-from tests.conftest import TEST_SETTINGS
-from tests.ray_support import local_ray
 from tests.trainer_worker.integrations.verl import tiny_verl
-from tests.trainer_worker.integrations.verl.verl_runs import LR, Case, run
+from tests.trainer_worker.integrations.verl.verl_runs import (
+    LR,
+    Case,
+    LayoutRuns,
+    is_zero,
+    relative,
+)
 
 DIVISOR = float(tiny_verl.RESPONSE_LEN)
 MODES: dict[str, float | None] = {
@@ -154,61 +153,22 @@ def dp1_cases() -> list[Case]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return cpu_launch.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-@pytest.fixture(scope="module")
-def coordinator_target() -> Iterator[str]:
-    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
-    yield thread.target
-    thread.stop()
-
-
-@pytest.fixture(scope="module")
 def results(
     model_dir: Path, coordinator_target: str, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[[int], list[dict[str, Any]]]:
+) -> LayoutRuns:
     """ranks -> every rank's results of its cases (run once per module)."""
-    cache: dict[int, list[dict[str, Any]]] = {}
-    root = Path(__file__).resolve().parents[4]
-
-    def get(world: int) -> list[dict[str, Any]]:
-        if world not in cache:
-            cases = dp2_cases(coordinator_target) if world == 2 else dp1_cases()
-            out = tmp_path_factory.mktemp(f"dp{world}")
-            with pytest.MonkeyPatch.context() as patch:
-                # Spawned ranks import the run module (and verl its CPU platform) by name.
-                patch.syspath_prepend(str(root))
-                if world == 2:
-                    with local_ray():
-                        address = ray.get_runtime_context().gcs_address
-                        cache[world] = run(
-                            world, cases, model_dir, out, free_port(), ray_address=address
-                        )
-                else:
-                    cache[world] = run(world, cases, model_dir, out, free_port())
-            for rank, result in enumerate(cache[world]):
-                assert "crash" not in result, f"dp{world} rank {rank}: {result['crash']}"
-        return cache[world]
-
-    return get
+    return LayoutRuns(
+        lambda world: dp2_cases(coordinator_target) if world == 2 else dp1_cases(),
+        model_dir,
+        tmp_path_factory.mktemp("layouts"),
+        ray_for=frozenset({2}),
+    )
 
 
 def case_results(
-    results: Callable[[int], list[dict[str, Any]]], world: int, case: str, *, ok: bool = True
+    results: LayoutRuns, world: int, case: str, *, ok: bool = True
 ) -> list[dict[str, Any]]:
-    per_rank = [r[case] for r in results(world)]
-    if ok:
-        for rank, result in enumerate(per_rank):
-            assert "error" not in result, f"dp{world} {case} rank {rank}: {result['traceback']}"
-    return per_rank
-
-
-def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    num = sum(float(((got[n] - want[n]).double() ** 2).sum()) for n in want)
-    den = sum(float((want[n].double() ** 2).sum()) for n in want)
-    return math.sqrt(num / den)
+    return results.case(world, case, ok=ok)
 
 
 def reference_update(
@@ -218,17 +178,13 @@ def reference_update(
     return {n: -LR * g for n, g in grads.items()}
 
 
-def is_zero(update: dict[str, torch.Tensor]) -> bool:
-    return all(not bool(delta.any()) for delta in update.values())
-
-
 # -- split invariance -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_one_mini_batch_equals_the_formula_whatever_the_split(
-    results: Callable[[int], list[dict[str, Any]]], model_dir: Path, split: str, mode: str
+    results: LayoutRuns, model_dir: Path, split: str, mode: str
 ) -> None:
     world = SPLITS[split][0]
     per_rank = case_results(results, world, f"{mode}-{split}")
@@ -243,7 +199,7 @@ def test_one_mini_batch_equals_the_formula_whatever_the_split(
 
 
 def test_several_mini_batches_and_epochs_train_the_same_on_one_and_two_ranks(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: LayoutRuns,
 ) -> None:
     (one,) = case_results(results, 1, "two-epochs-two-mini-batches")
     two = case_results(results, 2, "two-epochs-two-mini-batches")
@@ -253,7 +209,7 @@ def test_several_mini_batches_and_epochs_train_the_same_on_one_and_two_ranks(
 
 
 def test_the_normalizers_count_active_units_over_the_data_parallel_group(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: LayoutRuns,
 ) -> None:
     """22 active tokens, 7 active responses of 8, 2 prompt groups, on either layout."""
     want_pg = {"token_mean": 22.0, "seq_mean": 7.0, "prompt_mean": 2.0, "constant": 7.0}
@@ -274,9 +230,7 @@ def test_the_normalizers_count_active_units_over_the_data_parallel_group(
         ("constant-dense", "verl-sum-norm-dense"),
     ],
 )
-def test_equals_verl_where_the_two_mean_the_same(
-    results: Callable[[int], list[dict[str, Any]]], ours: str, verl: str
-) -> None:
+def test_equals_verl_where_the_two_mean_the_same(results: LayoutRuns, ours: str, verl: str) -> None:
     for got, want in zip(
         case_results(results, 2, ours), case_results(results, 2, verl), strict=True
     ):
@@ -291,7 +245,7 @@ def test_equals_verl_where_the_two_mean_the_same(
     ],
 )
 def test_verl_counts_a_fully_masked_response_and_lossreduce_does_not(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: LayoutRuns,
     model_dir: Path,
     pair: tuple[str, str, str, float | None],
 ) -> None:
@@ -318,7 +272,7 @@ def test_verl_counts_a_fully_masked_response_and_lossreduce_does_not(
 
 
 def test_a_rank_without_active_tokens_takes_part_and_the_other_trains(
-    results: Callable[[int], list[dict[str, Any]]], model_dir: Path
+    results: LayoutRuns, model_dir: Path
 ) -> None:
     batch = tiny_verl.rows()
     batch.response_mask[4:] = 0
@@ -329,7 +283,7 @@ def test_a_rank_without_active_tokens_takes_part_and_the_other_trains(
 
 
 def test_an_empty_mini_batch_raises_the_same_error_on_every_rank_before_any_step(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: LayoutRuns,
 ) -> None:
     for result in case_results(results, 2, "empty-raise", ok=False):
         assert result["error"]["type"] == "EmptyNormalizerError", result.get("traceback")
@@ -340,7 +294,7 @@ def test_an_empty_mini_batch_raises_the_same_error_on_every_rank_before_any_step
 
 @pytest.mark.parametrize("case", ["empty-skip", "coordinator-skip"])
 def test_an_empty_mini_batch_skipped_leaves_weights_and_adamw_untouched(
-    results: Callable[[int], list[dict[str, Any]]], case: str
+    results: LayoutRuns, case: str
 ) -> None:
     for result in case_results(results, 2, case):
         assert result["skipped_steps"] == 1
@@ -352,7 +306,7 @@ def test_an_empty_mini_batch_skipped_leaves_weights_and_adamw_untouched(
 
 @pytest.mark.parametrize("agg", list(VERL_MODES))
 def test_verl_decays_every_weight_and_counts_a_step_on_an_empty_mini_batch(
-    results: Callable[[int], list[dict[str, Any]]], agg: str
+    results: LayoutRuns, agg: str
 ) -> None:
     """The empty-step column of the docs' table: the loss verl reports (NaN where it
     divides by the 0 tokens it counted), a zero gradient, and an AdamW step anyway."""
@@ -367,7 +321,7 @@ def test_verl_decays_every_weight_and_counts_a_step_on_an_empty_mini_batch(
 
 @pytest.mark.parametrize("agg", list(VERL_MODES))
 def test_verls_modes_are_split_invariant_with_the_kl_and_entropy_on(
-    results: Callable[[int], list[dict[str, Any]]], agg: str
+    results: LayoutRuns, agg: str
 ) -> None:
     """The split-invariance column: one rank vs two, micro-batches of 4 vs 2."""
     (one,) = case_results(results, 1, f"verl-{agg}-dp1-mb4")
@@ -376,7 +330,7 @@ def test_verls_modes_are_split_invariant_with_the_kl_and_entropy_on(
 
 
 def test_a_nan_advantage_fails_every_rank_before_any_backward_naming_the_rank(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: LayoutRuns,
 ) -> None:
     culprit, peer = case_results(results, 2, "nan-advantage", ok=False)[::-1]
     assert culprit["error"]["type"] == "InvalidPartialError", culprit.get("traceback")
@@ -393,7 +347,7 @@ def test_a_nan_advantage_fails_every_rank_before_any_backward_naming_the_rank(
 
 
 def test_a_nan_under_the_mask_reaches_neither_loss_nor_gradient(
-    results: Callable[[int], list[dict[str, Any]]],
+    results: LayoutRuns,
 ) -> None:
     masked = case_results(results, 2, "masked-nan")
     clean = case_results(results, 2, "prompt_mean-dp2-mb2")
@@ -407,7 +361,7 @@ def test_a_nan_under_the_mask_reaches_neither_loss_nor_gradient(
 
 @pytest.mark.parametrize("case", ["coordinator", "joined-coordinator"])
 def test_the_coordinator_backend_gives_the_torch_backends_update_bit_for_bit(
-    results: Callable[[int], list[dict[str, Any]]], case: str
+    results: LayoutRuns, case: str
 ) -> None:
     """``joined-coordinator``: no address given, so the ranks (Ray drivers of one
     cluster) start or join the job's coordinator actor, with a fresh token."""

@@ -15,6 +15,7 @@ of the reduction semantics with plain torch, row by row, on one process.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class Rows:
     old_log_probs: torch.Tensor  # [B, R]
     ref_log_prob: torch.Tensor  # [B, R]
     uid: list[str] = field(default_factory=list)  # [B] prompt group of each row
+    values: torch.Tensor | None = None  # [B, R] the critic's old values
+    returns: torch.Tensor | None = None  # [B, R] the critic's targets
 
     @property
     def size(self) -> int:
@@ -84,6 +87,8 @@ def rows(*, masked_row: int | None = MASKED_ROW, all_masked: bool = False) -> Ro
     old = -2.0 - torch.rand(shape, generator=gen)
     ref = old + 0.3 * torch.randn(shape, generator=gen)
     advantages = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
+    values = 0.3 * torch.randn(shape, generator=gen)
+    returns = values + 0.5 * torch.randn(shape, generator=gen)
     return Rows(
         input_ids=torch.tensor(input_ids),
         attention_mask=torch.tensor(attention),
@@ -92,6 +97,8 @@ def rows(*, masked_row: int | None = MASKED_ROW, all_masked: bool = False) -> Ro
         old_log_probs=old,
         ref_log_prob=ref,
         uid=uid,
+        values=values,
+        returns=returns,
     )
 
 
@@ -111,7 +118,22 @@ def select(batch: Rows, pick: list[int]) -> Rows:
         old_log_probs=batch.old_log_probs[pick],
         ref_log_prob=batch.ref_log_prob[pick],
         uid=[batch.uid[i] for i in pick],
+        values=None if batch.values is None else batch.values[pick],
+        returns=None if batch.returns is None else batch.returns[pick],
     )
+
+
+def near_policy(batch: Rows, model_dir: Path, scale: float = 0.1) -> Rows:
+    """``batch`` with old and reference log-probabilities within ``scale`` (seeded noise)
+    of the model's own: ratios near 1, so the policy losses' clipping, covariances and
+    importance weights all act on the batch (the default batch's are far off)."""
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    with torch.no_grad():
+        lp, _ = _log_probs(model.float(), batch)
+    gen = torch.Generator().manual_seed(5)
+    old = lp + scale * torch.randn(lp.shape, generator=gen)
+    ref = lp + scale * torch.randn(lp.shape, generator=gen)
+    return dataclasses.replace(batch, old_log_probs=old, ref_log_prob=ref)
 
 
 def tensordict(batch: Rows, *, mini_batch_size: int, epochs: int = 1) -> Any:
@@ -137,6 +159,11 @@ def tensordict(batch: Rows, *, mini_batch_size: int, epochs: int = 1) -> Any:
             "advantages": batch.advantages,
             "old_log_probs": batch.old_log_probs,
             "ref_log_prob": batch.ref_log_prob,
+            **(
+                {}
+                if batch.values is None or batch.returns is None
+                else {"values": batch.values, "returns": batch.returns}
+            ),
             "uid": NonTensorStack(*batch.uid),
         },
         batch_size=[n],

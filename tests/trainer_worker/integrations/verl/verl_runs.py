@@ -10,9 +10,13 @@ worker used and any error.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,6 +37,10 @@ VERL_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 LR = 1.0
+VALUE_MODEL = "value-model"
+"""The critic's value model, saved in this folder of the actor's model folder
+(``cpu_standins.verl.launch.save_value_model``)."""
+CLIPRANGE_VALUE = 0.2
 
 
 def prepare_test_process() -> None:
@@ -72,9 +80,22 @@ class Case:
     mini_batches: int = 1  # per train_mini_batch call
     kl: bool = True
     entropy_coeff: float = tiny_verl.ENTROPY_COEFF
+    loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode
+    policy_loss: tuple[tuple[str, Any], ...] = ()  # more actor.policy_loss options
+    statistics: str = "mini_batch"
+    role: str = "actor"  # or "critic": the value model and verl's value_loss
+    seed: int = 0  # torch's seed before the worker is built (verl's own clip_cov draw)
+    job: str | None = None  # the rounds' job; None: test-<name>
 
 
-def batch_of(case: Case) -> tiny_verl.Rows:
+def batch_of(case: Case, model_dir: Path) -> tiny_verl.Rows:
+    """The case's batch; ``near-*`` is the same batch with old and reference
+    log-probabilities near the model's own (:func:`tiny_verl.near_policy`)."""
+    if case.batch.startswith("near"):
+        plain = dataclasses.replace(
+            case, batch=case.batch.removeprefix("near").lstrip("-") or "default"
+        )
+        return tiny_verl.near_policy(batch_of(plain, model_dir), model_dir)
     if case.batch == "dense":
         return tiny_verl.rows(masked_row=None)
     if case.batch == "all_masked":
@@ -90,6 +111,9 @@ def batch_of(case: Case) -> tiny_verl.Rows:
         rows.advantages[6, 1] = float("nan")
     elif case.batch == "masked_nan":
         rows.advantages[tiny_verl.MASKED_ROW] = float("nan")
+    elif case.batch == "nan_return":
+        assert rows.returns is not None
+        rows.returns[6, 1] = float("nan")
     return rows
 
 
@@ -97,16 +121,20 @@ def _worker(case: Case, model_dir: Path) -> Any:
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import (
         ActorConfig,
+        CriticConfig,
         FSDPEngineConfig,
         FSDPOptimizerConfig,
         HFModelConfig,
+        PolicyLossConfig,
         TrainingWorkerConfig,
     )
     from verl.workers.engine_workers import TrainingWorker
-    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.losses import ppo_loss, value_loss
 
+    critic = case.role == "critic"
+    torch.manual_seed(case.seed)
     model = HFModelConfig(
-        path=str(model_dir),
+        path=str(model_dir / VALUE_MODEL if critic else model_dir),
         use_remove_padding=False,
         override_config={"attn_implementation": "eager"},
     )
@@ -126,49 +154,62 @@ def _worker(case: Case, model_dir: Path) -> Any:
         clip_grad=1e9,
     )
     config = TrainingWorkerConfig(
-        model_type="language_model",
+        model_type="value_model" if critic else "language_model",
         model_config=model,
         engine_config=engine,
         optimizer_config=optim,
         checkpoint_config=CheckpointConfig(),
     )
-    actor = ActorConfig(
-        strategy="fsdp2",
-        ppo_mini_batch_size=tiny_verl.BATCH // case.mini_batches,
-        ppo_micro_batch_size_per_gpu=case.micro,
-        use_dynamic_bsz=case.dynamic,
-        ppo_max_token_len_per_gpu=20,
-        loss_agg_mode=case.loss_agg_mode,
-        loss_scale_factor=case.loss_scale_factor,
-        use_kl_loss=case.kl,
-        kl_loss_coef=tiny_verl.KL_COEF,
-        kl_loss_type="low_var_kl",
-        entropy_coeff=case.entropy_coeff,
-        clip_ratio=tiny_verl.CLIP,
-        ppo_epochs=case.epochs,
-        rollout_n=1,
-    )
+    # What the actor's and the critic's configs share: sizes, layout, aggregation, epochs.
+    shared: dict[str, Any] = {
+        "strategy": "fsdp2",
+        "ppo_mini_batch_size": tiny_verl.BATCH // case.mini_batches,
+        "ppo_micro_batch_size_per_gpu": case.micro,
+        "use_dynamic_bsz": case.dynamic,
+        "ppo_max_token_len_per_gpu": 20,
+        "loss_agg_mode": case.loss_agg_mode,
+        "loss_scale_factor": case.loss_scale_factor,
+        "ppo_epochs": case.epochs,
+        "rollout_n": 1,
+    }
+    if critic:
+        loss = partial(value_loss, config=CriticConfig(**shared, cliprange_value=CLIPRANGE_VALUE))
+    else:
+        actor = ActorConfig(
+            **shared,
+            use_kl_loss=case.kl,
+            kl_loss_coef=tiny_verl.KL_COEF,
+            kl_loss_type="low_var_kl",
+            entropy_coeff=case.entropy_coeff,
+            clip_ratio=tiny_verl.CLIP,
+            policy_loss=PolicyLossConfig(loss_mode=case.loss_mode, **dict(case.policy_loss)),
+        )
+        loss = partial(ppo_loss, config=actor)
     if case.worker == "verl":
         worker = TrainingWorker(config)
     else:
         from lossreduce.trainer_worker.integrations.verl import (
+            LossReduceCriticWorker,
             LossReduceTrainingWorker,
             VerlReductionSettings,
         )
 
+        mode_key, divisor_key = ("critic_mode", "critic_divisor") if critic else ("mode", "divisor")
         settings = VerlReductionSettings.model_validate(
             {
-                "mode": case.mode,
-                "divisor": case.divisor,
+                mode_key: case.mode,
+                divisor_key: case.divisor,
                 "normalizer": case.normalizer,
                 "coordinator": case.coordinator,
                 "on_empty_step": case.on_empty_step,
-                "job": f"test-{case.name}",
+                "statistics": case.statistics,
+                "job": case.job or f"test-{case.name}",
             }
         )
-        worker = LossReduceTrainingWorker(config, reduction=settings)
+        cls = LossReduceCriticWorker if critic else LossReduceTrainingWorker
+        worker = cls(config, reduction=settings)
     worker.reset()
-    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    worker.set_loss_fn(loss)
     return worker
 
 
@@ -197,7 +238,7 @@ def _optimizer_state(worker: Any) -> dict[str, Any]:
 def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, Any]:
     worker = _worker(case, model_dir)
     data = tiny_verl.tensordict(
-        tiny_verl.shard(batch_of(case), rank, world),
+        tiny_verl.shard(batch_of(case, model_dir), rank, world),
         mini_batch_size=tiny_verl.BATCH // case.mini_batches,
         epochs=case.epochs,
     )
@@ -216,6 +257,9 @@ def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, An
             "terms": getattr(err, "terms", ()),
         }
         result["traceback"] = traceback.format_exc()
+        # Said at once: a rank that fails alone leaves its peers waiting in a collective,
+        # and the case's results are saved only once every case has run.
+        print(f"rank {rank}: case {case.name} raised:\n{result['traceback']}", file=sys.stderr)
     after = _params(worker)
     result["update"] = {n: after[n] - before[n] for n in before}
     result["optimizer"] = _optimizer_state(worker)
@@ -297,3 +341,74 @@ def run(
     job = Job(world, cases, str(model_dir), str(out_dir), port, ray_address=ray_address)
     spawn(run_layout, args=(job,), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+class LayoutRuns:
+    """Each layout's cases (``cases(world)``), run once on spawned ranks and kept.
+
+    Layouts of 2 ranks join a local Ray cluster first when ``ray_for`` names them (cases
+    whose workers start or join the job's coordinator actor); every rank's crash fails
+    the caller at once.
+    """
+
+    def __init__(
+        self,
+        cases: Callable[[int], list[Case]],
+        model_dir: Path,
+        out_root: Path,
+        *,
+        ray_for: frozenset[int] = frozenset(),
+    ) -> None:
+        self.cases = cases
+        self.model_dir = model_dir
+        self.out_root = out_root
+        self.ray_for = ray_for
+        self._cache: dict[int, list[dict[str, Any]]] = {}
+
+    def __call__(self, world: int) -> list[dict[str, Any]]:
+        if world not in self._cache:
+            import pytest
+
+            from lossreduce.ports import free_port
+
+            out = self.out_root / f"dp{world}"
+            root = Path(__file__).resolve().parents[4]
+            with pytest.MonkeyPatch.context() as patch:
+                # Spawned ranks import this module (and verl its CPU platform) by name.
+                patch.syspath_prepend(str(root))
+                cases = self.cases(world)
+                if world in self.ray_for:
+                    import ray
+
+                    from tests.ray_support import local_ray
+
+                    with local_ray():
+                        address = ray.get_runtime_context().gcs_address
+                        got = run(
+                            world, cases, self.model_dir, out, free_port(), ray_address=address
+                        )
+                else:
+                    got = run(world, cases, self.model_dir, out, free_port())
+            self._cache[world] = got
+        for rank, result in enumerate(self._cache[world]):
+            assert "crash" not in result, f"dp{world} rank {rank}: {result['crash']}"
+        return self._cache[world]
+
+    def case(self, world: int, name: str, *, ok: bool = True) -> list[dict[str, Any]]:
+        """Every rank's result of case ``name`` on ``world`` ranks (``ok``: none raised)."""
+        per_rank = [r[name] for r in self(world)]
+        if ok:
+            for rank, result in enumerate(per_rank):
+                assert "error" not in result, f"dp{world} {name} rank {rank}: {result['traceback']}"
+        return per_rank
+
+
+def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """``|got - want| / |want|`` over every parameter's update."""
+    num = sum(float(((got[n] - want[n]).double() ** 2).sum()) for n in want)
+    den = sum(float((want[n].double() ** 2).sum()) for n in want)
+    return math.sqrt(num / den)
+
+
+def is_zero(update: dict[str, torch.Tensor]) -> bool:
+    return all(not bool(delta.any()) for delta in update.values())

@@ -1,0 +1,87 @@
+"""verl's own ``main_ppo`` with the lossreduce trainer mode and the policy losses beyond
+``vanilla``, on CPU: one launch per family.
+
+- **GSPO with a critic**: ``actor.policy_loss.loss_mode=gspo`` (a sequence-level ratio)
+  in lossreduce's ``seq_mean`` (GSPO's own aggregation), PPO with GAE advantages
+  (``algorithm.adv_estimator=gae``), so verl's critic trains too, through
+  ``LossReduceCriticWorker`` with a normalizer of its own (group ``critic``).
+- **KL-Cov**: ``loss_mode=kl_cov`` with GRPO: the covariance and the top share taken
+  over the whole mini-batch (a no-grad forward, then the statistics' rounds through the
+  job's own coordinator actor, group ``actor.stats``).
+
+3 steps each, 2 mini-batches a step, on 2 gloo ranks, everything verl's own but the CPU
+rollout. About 2.5 minutes a launch on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trainer_worker.integrations.verl.main_ppo_launch import (
+    STEPS,
+    Launch,
+    launched,
+    step_data,
+)
+
+MINI_BATCHES = 2
+
+pytestmark = pytest.mark.timeout(900)
+
+GSPO_WITH_CRITIC = [
+    "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+    "trainer.v1.trainer_mode=lossreduce",
+    "+actor_rollout_ref.lossreduce.mode=seq_mean",
+]
+KL_COV = [
+    "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+    "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.2",
+    "trainer.v1.trainer_mode=lossreduce",
+    "+actor_rollout_ref.lossreduce.normalizer=coordinator",
+]
+
+
+@pytest.fixture(scope="module")
+def gspo_run(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return launched(tmp_path_factory.mktemp("gspo-critic"), GSPO_WITH_CRITIC, critic=True)
+
+
+@pytest.fixture(scope="module")
+def kl_cov_run(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return launched(tmp_path_factory.mktemp("kl-cov"), KL_COV)
+
+
+def _rounds(data: dict[str, float], role: str, step: int) -> None:
+    first = (step - 1) * MINI_BATCHES
+    assert data[f"{role}/lossreduce/round_min"] == first
+    assert data[f"{role}/lossreduce/round_max"] == first + MINI_BATCHES - 1
+    assert data[f"{role}/lossreduce/skipped"] == 0.0
+
+
+def test_gspo_and_the_critic_take_their_normalizers_every_mini_batch(gspo_run: Launch) -> None:
+    for step in range(1, STEPS + 1):
+        data = step_data(gspo_run, step)
+        _rounds(data, "actor", step)
+        _rounds(data, "critic", step)
+        # seq_mean: the responses of a mini-batch (4, all active); the critic's
+        # token_mean: its tokens, the same count as the actor's KL term.
+        assert data["actor/lossreduce/normalizer/pg"] == 4.0
+        assert data["critic/lossreduce/normalizer/vf"] == data["actor/lossreduce/normalizer/kl"]
+        assert data["critic/lossreduce/normalizer/vf"] > 0.0
+    assert any(step_data(gspo_run, s)["critic/grad_norm"] > 0 for s in range(1, STEPS + 1))
+
+
+def test_the_critic_claims_its_group_at_start_up(gspo_run: Launch) -> None:
+    assert "group 'critic' from round 0" in gspo_run.output
+    assert "group 'actor' from round 0" in gspo_run.output
+
+
+def test_kl_cov_takes_its_statistic_over_each_mini_batch(kl_cov_run: Launch) -> None:
+    for step in range(1, STEPS + 1):
+        data = step_data(kl_cov_run, step)
+        _rounds(data, "actor", step)
+        # max(1, int(0.2 * N)) of the mini-batch's N active tokens, at least one.
+        tokens = data["actor/lossreduce/stats/active_tokens"]
+        assert tokens == data["actor/lossreduce/normalizer/pg"]
+        assert data["actor/lossreduce/stats/selected"] >= max(1, int(0.2 * tokens)) - 0.5
+    assert any(step_data(kl_cov_run, s)["actor/grad_norm"] > 0 for s in range(1, STEPS + 1))
