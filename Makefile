@@ -177,8 +177,8 @@ test-megatron: $(MEGATRON_VENV)/.installed
 # without their CUDA kernels (nvcc), then exactly the install docs/frameworks/skyrl.md
 # gives (read from the page by documented_install.py; lossreduce editable) under the same
 # pins, plus pytest. docs/frameworks/skyrl.md says what that changes. `pip check` fails the
-# build on a broken requirement, the diff if anything moved. About 4 minutes, nearly all
-# of it downloading torch's and vllm's CUDA wheels.
+# build on a broken requirement, the diff if anything moved. 3 to 10 minutes on 2 shared
+# cores, most of it downloading and unpacking torch's and vllm's CUDA wheels.
 SKYRL_VENV        := .venv-skyrl
 SKYRL_PY          := $(SKYRL_VENV)/bin/python
 SKYRL_PYTHON      ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12) python3.12)
@@ -196,9 +196,9 @@ $(SKYRL_VENV)/.installed: pyproject.toml docs/frameworks/skyrl.md $(SKYRL_INSTAL
 	grep -v '^#' $(SKYRL_CONSTRAINTS) | diff -u - $(SKYRL_VENV)/freeze.txt
 	touch $@
 
-# The worker against stock SkyRL on 1 and 2 gloo ranks (about 2 minutes), and SkyRL's own
+# The worker against stock SkyRL on 1 and 2 gloo ranks (2 to 6 minutes), SkyRL's own
 # main_base launch on CPU: 3 steps, a SIGKILL after step 2 and the resume, the refusals
-# (about 7 minutes on 2 shared cores).
+# (7 to 12 minutes on 2 shared cores), and the bench on a small workload.
 test-skyrl: $(SKYRL_VENV)/.installed
 	$(SKYRL_VENV)/bin/pytest tests/trainer_worker/integrations/skyrl $(PYTEST_ARGS)
 
