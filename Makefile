@@ -17,12 +17,14 @@ PYTEST_ARGS ?=
 # handler is off again: interpreter teardown is where such a crash has shown up.
 export PYTHONFAULTHANDLER ?= 1
 
-.PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-verl-megatron test-areal test-megatron test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
+.PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-verl-megatron test-areal test-megatron test-skyrl test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
 # point here); silence that one notice and nothing else.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet
+# A script under tests/ as the module `python -m` runs (it imports tests.* helpers).
+module_of = $(subst /,.,$(basename $(1)))
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,7 +77,8 @@ pytest: $(VENV)/.installed-dev
 		--ignore=tests/trainer_worker/integrations/verl \
 		--ignore=tests/trainer_worker/train/engines/verl \
 		--ignore=tests/trainer_worker/integrations/areal \
-		--ignore=tests/trainer_worker/train/engines/areal $(PYTEST_ARGS)
+		--ignore=tests/trainer_worker/train/engines/areal \
+		--ignore=tests/trainer_worker/integrations/skyrl $(PYTEST_ARGS)
 
 # verl 0.9.1 pins transformers<5.11 (TRL's users have 5.17, .venv too): its tests (the
 # integration's and `lossreduce train --engine verl`'s) run in an environment of
@@ -91,11 +94,11 @@ VERL_VENV        := .venv-verl
 VERL_PY          := $(VERL_VENV)/bin/python
 VERL_INSTALL     := tests/trainer_worker/integrations/verl/documented_install.py
 VERL_CONSTRAINTS := constraints/verl.txt
-$(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) $(VERL_CONSTRAINTS)
+$(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) tests/documented_install.py $(VERL_CONSTRAINTS)
 	rm -rf $(VERL_VENV)
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" $(PYTHON) $(VERL_INSTALL) \
+	PYTHONWARNINGS="ignore:Editable installation" $(PYTHON) -m $(call module_of,$(VERL_INSTALL)) \
 		--python $(VERL_PY) --constraints $(VERL_CONSTRAINTS) --editable
 	$(VERL_PY) -m pip install --quiet -c $(VERL_CONSTRAINTS) pytest pytest-timeout hypothesis
 	rm -rf "$$($(VERL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests"
@@ -201,6 +204,41 @@ $(MEGATRON_VENV)/.installed: pyproject.toml constraints/megatron.txt
 test-megatron: $(MEGATRON_VENV)/.installed
 	$(MEGATRON_VENV)/bin/pytest tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS)
 
+# SkyRL 0.4 needs Python 3.12, so its tests (tests/trainer_worker/integrations/skyrl) run in
+# an environment of its own, a SkyRL user's as closely as PyPI and a machine without CUDA
+# allow: the versions pip's resolver picks for `skyrl[fsdp]==0.4.0` with torch 2.13.0
+# installed first (constraints/skyrl.txt; torch is the CUDA build from the index, which
+# runs on CPU), all of skyrl[fsdp] but flashinfer-jit-cache and flashinfer-cubin
+# 0.6.18.post1 (on FlashInfer's index only, so `pip install 'skyrl[fsdp]==0.4.0'` does not
+# resolve from PyPI), with flash-attn 2.8.3 and causal-conv1d built from their sdists
+# without their CUDA kernels (nvcc), then exactly the install docs/frameworks/skyrl.md
+# gives (read from the page by documented_install.py; lossreduce editable) under the same
+# pins, plus pytest. docs/frameworks/skyrl.md says what that changes. `pip check` fails the
+# build on a broken requirement, the diff if anything moved. 3 to 10 minutes on 2 shared
+# cores, most of it downloading and unpacking torch's and vllm's CUDA wheels.
+SKYRL_VENV        := .venv-skyrl
+SKYRL_PY          := $(SKYRL_VENV)/bin/python
+SKYRL_PYTHON      ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12) python3.12)
+SKYRL_INSTALL     := tests/trainer_worker/integrations/skyrl/documented_install.py
+SKYRL_CONSTRAINTS := constraints/skyrl.txt
+$(SKYRL_VENV)/.installed: pyproject.toml docs/frameworks/skyrl.md $(SKYRL_INSTALL) tests/documented_install.py $(SKYRL_CONSTRAINTS)
+	rm -rf $(SKYRL_VENV)
+	$(SKYRL_PYTHON) -m venv $(SKYRL_VENV)
+	$(MATRIX_PIP) $(SKYRL_PY) -m pip install --quiet --upgrade pip
+	$(MATRIX_PIP) $(SKYRL_PY) -m $(call module_of,$(SKYRL_INSTALL)) \
+		--python $(SKYRL_PY) --constraints $(SKYRL_CONSTRAINTS) --editable
+	$(MATRIX_PIP) $(SKYRL_PY) -m pip install --quiet -c $(SKYRL_CONSTRAINTS) pytest pytest-timeout hypothesis
+	$(SKYRL_PY) -m pip check
+	$(SKYRL_PY) -m pip freeze --all --exclude-editable | grep -Ev '^(lossreduce|pip)==' > $(SKYRL_VENV)/freeze.txt
+	grep -v '^#' $(SKYRL_CONSTRAINTS) | diff -u - $(SKYRL_VENV)/freeze.txt
+	touch $@
+
+# The worker against stock SkyRL on 1 and 2 gloo ranks (2 to 6 minutes), SkyRL's own
+# main_base launch on CPU: 3 steps, a SIGKILL after step 2 and the resume, the refusals
+# (7 to 12 minutes on 2 shared cores), and the bench on a small workload.
+test-skyrl: $(SKYRL_VENV)/.installed
+	$(SKYRL_VENV)/bin/pytest tests/trainer_worker/integrations/skyrl $(PYTEST_ARGS)
+
 # The test matrix: the core suite (wire contract, coordinator, client, reduction
 # library, the coordinator as a Ray actor) at the floor and at the ceiling of the
 # ranges pyproject.toml declares: Python 3.10 with torch 2.10, protobuf 6.30 and
@@ -255,7 +293,7 @@ test-resolve: $(VENV)/.installed-dev
 test: lint docs typecheck
 	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-resolve
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal test-matrix test-megatron \
-		test-verl-megatron
+		test-verl-megatron test-skyrl
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
@@ -265,4 +303,4 @@ bench: $(VENV)/.installed
 	$(BIN)/lossreduce bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(VERL_MEGATRON_VENV) $(AREAL_VENV) $(MEGATRON_VENV) .venv-floor .venv-ceiling build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(VERL_MEGATRON_VENV) $(AREAL_VENV) $(MEGATRON_VENV) $(SKYRL_VENV) .venv-floor .venv-ceiling build *.egg-info .mypy_cache .ruff_cache .hypothesis

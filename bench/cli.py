@@ -31,6 +31,7 @@ from lossreduce.bench.contenders import Endpoints
 from lossreduce.bench.e2e import (
     run_areal_e2e,
     run_e2e,
+    run_skyrl_e2e,
     run_trl_e2e,
     run_verl_e2e,
     run_verl_main_ppo_e2e,
@@ -169,7 +170,7 @@ class BenchSettings(BaseModel):
         "lossreduce's normalizers against TRL's own dapo (skipped without lossreduce[trl]), "
         "verl's actor step for each of its engines that is installed (FSDP2, Megatron) and "
         "AReaL's PPO update for each of its engines that is installed (FSDP, Archon, "
-        "Megatron), each against the framework's own.",
+        "Megatron) and SkyRL's policy update, each against the framework's own.",
     )
     e2e_main_ppo: bool = Field(
         default=True,
@@ -377,6 +378,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     e2e_verl_statistics = None
     e2e_main_ppo = None
     e2e_areal = None
+    e2e_skyrl = None
     if settings.e2e:
         # After the servers stopped: training starts its own Ray cluster and coordinator.
         print("end to end: lossreduce train, --normalizer torch vs coordinator", flush=True)
@@ -401,6 +403,8 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             e2e_main_ppo = run_verl_main_ppo_e2e()
         print("end to end: AReaL's PPO update, LossReduce actor vs AReaL's own", flush=True)
         e2e_areal = run_areal_e2e()
+        print("end to end: a SkyRL policy update, lossreduce normalizers vs SkyRL's token_mean")
+        e2e_skyrl = run_skyrl_e2e()
     checks = targets(
         results,
         hierarchical_world_size=settings.hierarchical_nodes * settings.ranks_per_node,
@@ -420,6 +424,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "e2e_verl_statistics": e2e_verl_statistics,
         "e2e_verl_main_ppo": e2e_main_ppo,
         "e2e_areal": e2e_areal,
+        "e2e_skyrl": e2e_skyrl,
         "notes": [
             "latency: from the first rank issuing its contribution to the last rank holding "
             "the sums (perf_counter_ns across processes); rounds/s = 1 / mean latency",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lossreduce.bench.frameworks.areal import ArealBenchSettings
+    from lossreduce.bench.frameworks.skyrl import SkyRLBenchSettings
     from lossreduce.bench.frameworks.verl import VerlBenchSettings
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "abba",
     "run_areal_e2e",
     "run_e2e",
+    "run_skyrl_e2e",
     "run_trl_e2e",
     "run_verl_e2e",
     "run_verl_main_ppo_e2e",
@@ -263,6 +265,28 @@ def run_verl_main_ppo_e2e() -> dict[str, float | int | bool] | None:
         "lossreduce_round_s": result.lossreduce_round_s,
         "launches": result.launches,
     }
+
+
+def run_skyrl_e2e(
+    workload: SkyRLBenchSettings | None = None,
+) -> dict[str, float | int | bool] | None:
+    """A SkyRL policy update with lossreduce's normalizers vs SkyRL's own ``token_mean``
+    (median over updates, ABBA order, one process; ``workload`` or the default): the ratio
+    and whether it meets :data:`TRL_TARGET_RATIO` (the same 1.03); None, said in one line,
+    when SkyRL is not installed (it has an environment of its own:
+    docs/frameworks/skyrl.md)."""
+    import importlib.util
+
+    if importlib.util.find_spec("skyrl") is None:
+        print(
+            "  SkyRL step: skipped (SkyRL is not installed: docs/frameworks/skyrl.md)",
+            flush=True,
+        )
+        return None
+    # Imports SkyRL only inside run_skyrl_bench, after its CPU platform where there is no GPU.
+    from lossreduce.bench.frameworks.skyrl import run_skyrl_bench
+
+    return _framework_step("SkyRL", "token_mean", "skyrl", run_skyrl_bench(workload))
 
 
 def run_areal_e2e(

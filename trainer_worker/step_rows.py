@@ -24,6 +24,8 @@ however they are split. Pure torch: no TRL, gRPC or process group here.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
-__all__ = ["RowPlan", "StepRows", "plan_rows"]
+__all__ = ["RowPlan", "StepRows", "TermPlan", "bad_inputs", "group_ids", "plan_rows", "plan_terms"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,61 @@ def plan_rows(
         policy_partials=policy_partials,
         token_partials=_per_window(torch.where(mine, tokens, 0.0), window, n_windows),
     )
+
+
+@dataclass(frozen=True)
+class TermPlan:
+    """One process's share of one optimizer step with several terms, each reduced in
+    its own mode: per term, the weights of its rows, its partial and its contract."""
+
+    weights: dict[str, Tensor]  # term -> [R_local] float64: w_i of this process's rows
+    partials: dict[str, Tensor]  # term -> this process's partial normalizer, float64 0-d
+    contracts: dict[str, str]  # term -> its contract (what processes compare)
+
+
+def plan_terms(
+    reductions: Mapping[str, PolicyGradientReduction], rows: StepRows, rank: int
+) -> TermPlan:
+    """:func:`plan_rows` of one window for every term of ``reductions`` (term -> its
+    reduction). ``rows`` holds every process's rows when a term is in ``prompt_mean``
+    (a group's tokens and its owner span processes), else this process's alone."""
+    weights: dict[str, Tensor] = {}
+    partials: dict[str, Tensor] = {}
+    contracts: dict[str, str] = {}
+    for term, reduction in reductions.items():
+        plan = plan_rows(reduction, rows, rank, n_windows=1)
+        weights[term] = plan.weights
+        partials[term] = torch.tensor(plan.policy_partials[0], dtype=torch.float64)
+        contracts[term] = reduction.contract_for("sum")
+    return TermPlan(weights=weights, partials=partials, contracts=contracts)
+
+
+def group_ids(uids: list[str]) -> list[int]:
+    """Each row's prompt group as an int, numbered in order of first appearance."""
+    index: dict[str, int] = {}
+    return [index.setdefault(u, len(index)) for u in uids]
+
+
+def bad_inputs(mask: Tensor, inputs: Mapping[str, Tensor], rank: int = 0) -> list[str]:
+    """Each input (``[B, T]``, like ``mask``) with a NaN or inf where ``mask`` is set,
+    as ``"advantages: nan at 3 active tokens of rank 1 rows [1, 4] (mini-batch rows
+    [5, 8])"``; masked positions are ignored (they are zeroed before the loss).
+
+    ``mask`` holds data-parallel rank ``rank``'s rows of a mini-batch split into equal
+    chunks in rank order (verl's and SkyRL's dispatch), so rank ``r``'s row ``i`` is
+    the mini-batch's ``r * B + i``, the index a user finds in what the trainer sent."""
+    active = mask.bool()
+    found = []
+    for name, values in inputs.items():
+        bad = active & ~torch.isfinite(values)  # [B, T]
+        count = int(bad.sum())
+        if count:
+            first = float(values[bad][0])
+            rows = sorted({int(r) for r in bad.nonzero()[:, 0].tolist()})
+            overall = [rank * mask.shape[0] + r for r in rows]
+            what = "nan" if math.isnan(first) else repr(first)
+            found.append(
+                f"{name}: {what} at {count} active tokens of rank {rank} rows {rows} "
+                f"(mini-batch rows {overall})"
+            )
+    return found

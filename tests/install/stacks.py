@@ -26,6 +26,7 @@ Stdlib only: it runs from any Python 3.10+ (``python tests/install/stacks.py``),
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -80,6 +81,12 @@ class _Install:
     name: str
     python: str
     specs: tuple[str, ...]
+    prepare: tuple[str, ...] = field(default=(), kw_only=True)
+    """Installed into the resolving venv first, for an install whose source builds import
+    them (flash-attn's ``setup.py`` imports torch): the resolution then runs with
+    ``--no-build-isolation``, as those packages' own instructions say."""
+    build_env: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)
+    """Environment variables of those source builds (``FLASH_ATTENTION_SKIP_CUDA_BUILD``)."""
 
     @property
     def id(self) -> str:
@@ -100,6 +107,31 @@ class Unresolvable(_Install):
     expect: str
 
 
+SKYRL_FSDP = (
+    "skyrl[skyrl-train]==0.4.0",
+    "vllm==0.30.0",
+    "vllm-router",
+    "nixl",
+    "flash-linear-attention",
+    "causal-conv1d==1.6.2.post1",
+    "flash-attn==2.8.3",
+    "torch==2.13.0",
+    "flashinfer-python==0.6.18.post1",
+    "torchvision",
+)
+"""``skyrl[fsdp]==0.4.0`` spelled out (its ``skyrl-train`` extra and what its ``fsdp``
+extra adds, from the wheel's metadata), less ``flashinfer-jit-cache`` and
+``flashinfer-cubin`` 0.6.18.post1, which are on FlashInfer's own index, not on PyPI."""
+SKYRL_BUILD = ("torch==2.13.0", "setuptools", "wheel", "packaging", "psutil", "ninja")
+"""What flash-attn's and causal-conv1d's ``setup.py`` import, installed first: torch is
+the one ``skyrl[fsdp]`` pins."""
+SKYRL_BUILD_ENV = (
+    ("FLASH_ATTENTION_SKIP_CUDA_BUILD", "TRUE"),
+    ("CAUSAL_CONV1D_SKIP_CUDA_BUILD", "TRUE"),
+)
+"""Their metadata without nvcc (the variables their ``setup.py`` reads; the metadata does
+not depend on them)."""
+
 STACKS: tuple[Stack, ...] = (
     Stack("verl[vllm]", "3.11", ("verl[vllm]==0.9.1",), "verl"),
     Stack("verl[vllm]", "3.12", ("verl[vllm]==0.9.1",), "verl"),
@@ -108,6 +140,9 @@ STACKS: tuple[Stack, ...] = (
     Stack("areal", "3.11", ("areal==1.0.4",), "areal"),
     Stack("trl[vllm]", "3.11", ("trl[vllm]==1.16.0",), "trl"),
     Stack("skyrl", "3.12", ("skyrl==0.4.0",), "trainer"),
+    Stack(
+        "skyrl[fsdp]", "3.12", SKYRL_FSDP, "skyrl", prepare=SKYRL_BUILD, build_env=SKYRL_BUILD_ENV
+    ),
 )
 """Every framework environment lossreduce must install into unchanged: the one table."""
 
@@ -116,6 +151,16 @@ UNRESOLVABLE: tuple[Unresolvable, ...] = (
     Unresolvable("verl[sglang]", "3.11", ("verl[sglang]==0.9.1",), "ResolutionImpossible"),
     # openrlhf pins flash-attn, an sdist whose setup.py imports torch before pip knows it.
     Unresolvable("openrlhf", "3.11", ("openrlhf==0.11.2",), "No module named 'torch'"),
+    # Two of skyrl[fsdp]'s pins are published on FlashInfer's index only (with torch
+    # installed first, so that flash-attn's metadata builds, pip gets that far).
+    Unresolvable(
+        "skyrl[fsdp]",
+        "3.12",
+        ("skyrl[fsdp]==0.4.0",),
+        "No matching distribution found for flashinfer-jit-cache==0.6.18.post1",
+        prepare=SKYRL_BUILD,
+        build_env=SKYRL_BUILD_ENV,
+    ),
 )
 """Installs that fail without lossreduce: recorded, with pip's reason, not held against it."""
 
@@ -252,18 +297,24 @@ def find_python(version: str) -> Path:
     )
 
 
-def ensure_venv(version: str) -> Path:
-    """The pip of ``build/resolve/venv-VERSION``, created (pip upgraded) on first use."""
-    venv = WORK / f"venv-{version}"
+def ensure_venv(version: str, prepare: Sequence[str] = ()) -> Path:
+    """The pip of ``build/resolve/venv-VERSION`` (``venv-VERSION-<hash>`` with ``prepare``
+    installed in it), created (pip upgraded) on first use."""
+    suffix = f"-{hashlib.sha256(' '.join(prepare).encode()).hexdigest()[:8]}" if prepare else ""
+    venv = WORK / f"venv-{version}{suffix}"
     pip = venv / "bin" / "pip"
-    if pip.exists():
+    ready = venv / ".prepared"
+    if ready.exists():
         return pip
     shutil.rmtree(venv, ignore_errors=True)
     python = find_python(version)
-    for command in (
+    steps = [
         [str(python), "-m", "venv", str(venv)],
         [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
-    ):
+    ]
+    if prepare:
+        steps.append([str(pip), "install", "--quiet", *prepare])
+    for command in steps:
         done = subprocess.run(
             command, env=pip_environment(), capture_output=True, text=True, check=False
         )
@@ -273,6 +324,7 @@ def ensure_venv(version: str) -> Path:
                 f"creating the Python {version} venv failed: {' '.join(command)}\n"
                 f"{(done.stdout + done.stderr).rstrip()[-2000:]}"
             )
+    ready.touch()
     return pip
 
 
@@ -303,7 +355,14 @@ def pip_reason(output: str) -> str:
     return reason
 
 
-def resolve(specs: Sequence[str], python: str, label: str | None = None) -> Resolution:
+def resolve(
+    specs: Sequence[str],
+    python: str,
+    label: str | None = None,
+    *,
+    prepare: Sequence[str] = (),
+    build_env: Sequence[tuple[str, str]] = (),
+) -> Resolution:
     """What pip on Python ``python`` would install for ``specs``: {canonical name: version}.
 
     Read from pip's ``--report`` JSON; nothing is installed. Raises
@@ -311,7 +370,9 @@ def resolve(specs: Sequence[str], python: str, label: str | None = None) -> Reso
     pip fails. pip's output is kept in ``build/resolve/logs/LABEL.log``.
     """
     label = label or " ".join(specs)
-    pip = ensure_venv(python)
+    pip = ensure_venv(python, prepare)
+    isolation = ["--no-build-isolation"] if prepare else []
+    env = {**pip_environment(), **dict(build_env)}
     logs = WORK / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / (re.sub(r"[^][\w.@+-]+", "_", label) + ".log")
@@ -319,13 +380,13 @@ def resolve(specs: Sequence[str], python: str, label: str | None = None) -> Reso
         report = Path(tmp) / "report.json"
         command = [
             str(pip), "install", "--dry-run", "--ignore-installed", "--use-feature=fast-deps",
-            "--report", str(report), *specs,
+            *isolation, "--report", str(report), *specs,
         ]  # fmt: skip
         start = time.monotonic()
         try:
             done = subprocess.run(
                 command,
-                env=pip_environment(),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -351,10 +412,10 @@ def resolve(specs: Sequence[str], python: str, label: str | None = None) -> Reso
     return Resolution(versions, seconds)
 
 
-def _attempt(specs: Sequence[str], python: str, label: str) -> Resolution | Failure:
+def _attempt(entry: _Install, specs: Sequence[str], label: str) -> Resolution | Failure:
     start = time.monotonic()
     try:
-        return resolve(specs, python, label)
+        return resolve(specs, entry.python, label, prepare=entry.prepare, build_env=entry.build_env)
     except ResolutionError as error:
         return Failure(error, time.monotonic() - start)
 
@@ -367,25 +428,25 @@ def run_all(
     """Every resolution of ``stacks`` (alone, with lossreduce) and of ``unresolvable``,
     ``jobs`` at a time; the venvs are made first, one per Python."""
     stacks, unresolvable = list(stacks), list(unresolvable)
-    for version in sorted({s.python for s in stacks} | {u.python for u in unresolvable}):
-        ensure_venv(version)
+    for version, prepare in sorted(
+        {(s.python, s.prepare) for s in stacks} | {(u.python, u.prepare) for u in unresolvable}
+    ):
+        ensure_venv(version, prepare)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         pairs = [
             (
                 stack,
-                pool.submit(_attempt, stack.specs, stack.python, f"{stack.id} alone"),
+                pool.submit(_attempt, stack, stack.specs, f"{stack.id} alone"),
                 pool.submit(
                     _attempt,
+                    stack,
                     (*stack.specs, lossreduce_spec(stack.extra)),
-                    stack.python,
                     f"{stack.id} + lossreduce[{stack.extra}]",
                 ),
             )
             for stack in stacks
         ]
-        facts = [
-            (u, pool.submit(_attempt, u.specs, u.python, f"{u.id} alone")) for u in unresolvable
-        ]
+        facts = [(u, pool.submit(_attempt, u, u.specs, f"{u.id} alone")) for u in unresolvable]
         outcomes = [Outcome(stack, alone.result(), both.result()) for stack, alone, both in pairs]
         return outcomes, [(u, future.result()) for u, future in facts]
 

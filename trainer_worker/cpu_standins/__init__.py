@@ -23,6 +23,10 @@ One subpackage per engine family, shared by every framework that runs that engin
 - :mod:`~lossreduce.trainer_worker.cpu_standins.areal`: AReaL's Archon engine on CPU
   (``archon``: its two CPU settings) and AReaL's Megatron engine on the Megatron
   platform (``megatron``: that platform plus AReaL's version fixes).
+- :mod:`~lossreduce.trainer_worker.cpu_standins.skyrl`: SkyRL's FSDP workers on CPU
+  (``platform``), a stand-in for its vLLM inference server and weight sync
+  (``inference``), a SkyRL-gym task (``letters_env``) and a tiny offline ``main_base``
+  launch (``launch``); used by the SkyRL tests and ``lossreduce bench --e2e``.
 
 Importing this package imports no framework; each module imports its own.
 """

@@ -19,14 +19,13 @@ No verl, gRPC or process group here: the worker gathers what ranks must share.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
-from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
+from lossreduce.trainer_worker.step_rows import StepRows, bad_inputs, group_ids, plan_rows
 
 __all__ = [
     "ENTROPY_TERM",
@@ -55,12 +54,6 @@ class MiniBatchPlan:
     contracts: dict[str, str]  # term -> its contract (what ranks compare)
 
 
-def group_ids(uids: list[str]) -> list[int]:
-    """Each row's prompt group as an int, numbered in order of first appearance."""
-    index: dict[str, int] = {}
-    return [index.setdefault(u, len(index)) for u in uids]
-
-
 def plan_mini_batch(
     reduction: PolicyGradientReduction,
     rows: StepRows,
@@ -87,28 +80,3 @@ def plan_mini_batch(
             partials[term] = tokens.clone()
             contracts[term] = token_mean
     return MiniBatchPlan(weights=plan.weights, partials=partials, contracts=contracts)
-
-
-def bad_inputs(mask: Tensor, inputs: dict[str, Tensor], rank: int = 0) -> list[str]:
-    """Each input (``[B, T]``, like ``mask``) with a NaN or inf where ``mask`` is set,
-    as ``"advantages: nan at 3 active tokens of rank 1 rows [1, 4] (mini-batch rows
-    [5, 8])"``; masked positions are ignored (they are zeroed before the loss).
-
-    ``mask`` holds data-parallel rank ``rank``'s rows: verl splits a mini-batch into
-    equal chunks in rank order, so rank ``r``'s row ``i`` is the mini-batch's
-    ``r * B + i``, the index a user finds in what the trainer dispatched."""
-    active = mask.bool()
-    found = []
-    for name, values in inputs.items():
-        bad = active & ~torch.isfinite(values)  # [B, T]
-        count = int(bad.sum())
-        if count:
-            first = float(values[bad][0])
-            rows = sorted({int(r) for r in bad.nonzero()[:, 0].tolist()})
-            overall = [rank * mask.shape[0] + r for r in rows]
-            what = "nan" if math.isnan(first) else repr(first)
-            found.append(
-                f"{name}: {what} at {count} active tokens of rank {rank} rows {rows} "
-                f"(mini-batch rows {overall})"
-            )
-    return found

@@ -11,9 +11,7 @@ and the critic (:class:`~.critic.LossReduceCriticWorker`) add their plan and los
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,17 +21,20 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 
-from lossreduce.errors import (
-    EmptyNormalizerError,
-    InvalidPartialError,
-    RankContext,
-    ReductionInputError,
-)
+from lossreduce.errors import ReductionInputError
 from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.verl.options import engine_problems, raise_problems
 from lossreduce.trainer_worker.integrations.verl.parallel import round_suffix
-from lossreduce.trainer_worker.integrations.verl.plan import group_ids
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
+from lossreduce.trainer_worker.integrations.worker_rounds import (
+    RunClaim,
+    coordinator_client,
+    describe_claims,
+    gather_rows,
+    reduce_round,
+    round_metrics,
+)
+from lossreduce.trainer_worker.integrations.worker_rounds import round_file as _shared_round_file
 from lossreduce.trainer_worker.normalizers import (
     CoordinatorNormalizer,
     GlobalNormalizer,
@@ -50,7 +51,13 @@ if TYPE_CHECKING:
     from lossreduce.client import ClientSettings, ReductionClient
     from lossreduce.trainer_worker.integrations.coordinator_actor import JoinedCoordinator
 
-__all__ = ["STATS_SUFFIX", "ReducingTrainingWorker", "RunClaim", "describe_claims"]
+__all__ = [
+    "STATS_SUFFIX",
+    "ReducingTrainingWorker",
+    "RunClaim",
+    "describe_claims",
+    "round_metrics",
+]
 
 STATS_SUFFIX = ".stats"
 """The mini-batch statistics reduce in a group of their own, ``<group>.stats``, with a
@@ -127,7 +134,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         """verl's checkpoint, plus this rank's round counter: a run resumed from it
         continues its rounds where this one stood instead of numbering them from 0."""
         saved = super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
-        _round_file(local_path).write_text(json.dumps({"round": self._round}))
+        Path(_round_file(local_path)).write_text(json.dumps({"round": self._round}))
         return saved
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
@@ -135,7 +142,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
     ) -> Any:
         """verl's checkpoint, and the round counter saved with it (if any)."""
-        path = _round_file(local_path)
+        path = Path(_round_file(local_path))
         if path.is_file():
             self._round = int(json.loads(path.read_text())["round"])
         return super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
@@ -184,29 +191,11 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         )
 
     def _coordinator(self) -> tuple[str, ClientSettings]:
-        """Where the client dials and how: the configured address, or else the job's
-        coordinator actor on this Ray cluster, started here unless a peer did first."""
-        settings = self.reduction_settings
-        if settings.coordinator is not None:
-            return settings.coordinator, settings.client
-        from lossreduce.trainer_worker.integrations.coordinator_actor import (
-            join_coordinator_actor,
+        """Where the clients dial and how (:func:`~..worker_rounds.coordinator_client`)."""
+        target, client, self._joined = coordinator_client(
+            self.reduction_settings, self.identity()[1], self._joined
         )
-
-        if self._joined is None:
-            # The actor's rounds wait at most as long as a client call does.
-            round_timeout_s = max(1.0, settings.client.call_timeout_s - 30.0)
-            # Held while this worker lives: Ray ends an actor nobody holds.
-            self._joined = join_coordinator_actor(
-                self.identity()[1], round_timeout_s=round_timeout_s, startup_timeout_s=60.0
-            )
-        endpoint = self._joined.endpoint
-        # The actor's own token and CA (a run's, made fresh) replace any configured.
-        given = settings.client.model_dump(exclude={"token", "tls_root_cert_pem"})
-        client = type(settings.client).model_validate(
-            {**given, "token": endpoint.token, "tls_root_cert_pem": endpoint.ca_cert}
-        )
-        return endpoint.target, client
+        return target, client
 
     def close(self) -> None:
         """Close the coordinator clients, if any; the next mini-batch opens new ones."""
@@ -233,22 +222,9 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
                 "group of every response (verl's non-tensor field 'uid'), which this "
                 "mini-batch lacks"
             )
-        mine = (list(map(str, uids)), tokens.tolist())
         rank, world = self.data_parallel()
-        gathered: list[Any] = [mine]
-        if world > 1:
-            gathered = [None] * world
-            dist.all_gather_object(gathered, mine, group=self.engine.get_data_parallel_group())
-        ids = group_ids([u for g_uids, _ in gathered for u in g_uids])
-        process = [r for r, (g_uids, _) in enumerate(gathered) for _ in g_uids]
-        all_tokens = [t for _, g_tokens in gathered for t in g_tokens]
-        rows = StepRows(
-            process=torch.tensor(process, dtype=torch.long),
-            window=torch.zeros(len(process), dtype=torch.long),
-            group=torch.tensor(ids, dtype=torch.long),
-            tokens=torch.tensor(all_tokens, dtype=torch.float64),
-        )
-        return rows, rank
+        group = self.engine.get_data_parallel_group()
+        return gather_rows(list(map(str, uids)), tokens, world=world, group=group), rank
 
     def next_round(self) -> int:
         """The round of the mini-batch about to train (every mini-batch takes one)."""
@@ -266,29 +242,17 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         poisoned: str,
     ) -> dict[str, float] | None:
         """The step's global normalizers; None for a skipped empty step; or the round's
-        error, the same on every rank. ``bad`` lists this rank's bad inputs: the round is
-        poisoned (term ``poisoned`` sent as NaN) so every peer aborts too instead of
-        training without this rank."""
-        partials = dict(partials)
-        if bad:
-            partials[poisoned] = torch.tensor(math.nan, dtype=torch.float64)
-        try:
-            totals = self.normalizer().reduce(step, partials, contracts)
-        except InvalidPartialError as err:
-            if not bad:
-                raise
-            here = RankContext(err.job, err.group, step, self.data_parallel()[0])
-            raise here.error(
-                InvalidPartialError,
-                f"bad input at active tokens ({'; '.join(bad)}); no rank trains on this mini-batch",
-                terms=(poisoned,),
-                values=(math.nan,),
-            ) from err
-        except EmptyNormalizerError:
-            if self.reduction_settings.on_empty_step == "raise":
-                raise
-            return None
-        return {term: float(n) for term, n in totals.items()}
+        error, the same on every rank (:func:`~..worker_rounds.reduce_round`)."""
+        return reduce_round(
+            self.normalizer(),
+            step,
+            partials,
+            contracts,
+            bad=bad,
+            poisoned_term=poisoned,
+            on_empty_step=self.reduction_settings.on_empty_step,
+            rank=self.data_parallel()[0],
+        )
 
     def skipped(self, data: Any) -> Any:
         """No forward, backward or optimizer step; the lr schedule still advances."""
@@ -303,55 +267,6 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
 
 
-@dataclasses.dataclass(frozen=True)
-class RunClaim:
-    """What one rank claimed at start-up (:meth:`ReducingTrainingWorker.claim`)."""
-
-    run: str
-    job: str
-    group: str
-    step: int
-    """The first round the run sends: 0, or where its checkpoint left the counter."""
-    took_over: bool
-    """The coordinator handed this run the claim of a run it replaced (a resume)."""
-
-    def describe(self) -> str:
-        """One line for the launch's log: which run holds which group from which round."""
-        how = ", taken over from the run it resumes" if self.took_over else ""
-        return (
-            f"lossreduce: run {self.run!r} claimed job {self.job!r} group {self.group!r} "
-            f"from round {self.step}{how}"
-        )
-
-
-def describe_claims(claims: list[RunClaim]) -> list[str]:
-    """One line per group the ranks claimed (every rank of a group claims the same run and
-    round). A takeover is reported to the one rank whose claim made it, whichever came
-    first; the group's line says so if any rank's did."""
-    took: dict[tuple[str, str, str, int], bool] = {}
-    for c in claims:
-        key = (c.run, c.job, c.group, c.step)
-        took[key] = took.get(key, False) or c.took_over
-    return [RunClaim(*key, took_over).describe() for key, took_over in sorted(took.items())]
-
-
-def _round_file(checkpoint: str) -> Path:
-    """Where a rank keeps its round counter in a checkpoint folder (one file per rank:
-    a node-local checkpoint folder holds its own ranks' files)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return Path(checkpoint) / f"lossreduce_round_rank{rank}.json"
-
-
-def round_metrics(
-    step: int, totals: dict[str, float], latency: float, *, skipped: bool
-) -> dict[str, float]:
-    """A mini-batch's round as verl metrics."""
-    out = {f"lossreduce/normalizer/{term}": value for term, value in totals.items()}
-    # The mini-batch's round, twice: verl reduces a step's per-mini-batch values by
-    # the key's name (min, max, else mean), so the logged pair spans the step's rounds
-    # and shows how many ran.
-    out["lossreduce/round_min"] = float(step)
-    out["lossreduce/round_max"] = float(step)
-    out["lossreduce/round_latency_s"] = latency
-    out["lossreduce/skipped"] = float(skipped)
-    return out
+def _round_file(checkpoint: str) -> str:
+    """This rank's round-counter file in a checkpoint folder."""
+    return _shared_round_file(checkpoint, dist.get_rank() if dist.is_initialized() else 0)

@@ -25,6 +25,7 @@ from lossreduce.trainer_worker.cpu_standins.verl.launch import (
     logged_steps,
     main_ppo_env,
 )
+from tests.launch_group import end_group
 
 __all__ = ["CLAIMED", "Background", "checkpoint_of", "start"]
 
@@ -132,44 +133,7 @@ class Background:
     def _end_group(self, grace: float) -> None:
         # Ray's own processes end with their driver; whatever outlives the grace is ended
         # here, so no launch competes with the next for the machine's two cores.
-        deadline = time.monotonic() + grace
-        while _group_alive(self.process.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if _group_alive(self.process.pid):
-            os.killpg(self.process.pid, signal.SIGKILL)
-            while _group_alive(self.process.pid):
-                time.sleep(0.2)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still counts for killpg; a group of zombies only is as good as gone.
-    return any(_state(pid) not in ("Z", None) for pid in _members(pgid))
-
-
-def _members(pgid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    pids.append(int(entry.name))
-            except ProcessLookupError:
-                continue
-    return pids
-
-
-def _state(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
+        end_group(self.process.pid, grace)
 
 
 def start(name: str, folder: Path, args: list[str]) -> Background:

@@ -1,11 +1,9 @@
 """The install of docs/frameworks/verl.md, run verbatim into a verl user's Python environment.
 
-The page marks one bash block (``<!-- documented-install ...``) as what a verl user
-types into the environment where they run verl, after verl's own install. ``make
-test-verl`` builds ``.venv-verl`` with it and ``test_documented_install.py`` builds a
-fresh environment with it, so the page, the test environment and the ``verl`` extra
-cannot drift apart. The only substitutions: ``pip`` is the target environment's pip,
-and ``lossreduce[verl]`` (not on an index here) is this checkout with the same extra.
+``make test-verl`` builds ``.venv-verl`` with the page's install block
+(:mod:`tests.documented_install`) and ``test_documented_install.py`` builds a fresh
+environment with it, so the page, the test environment and the ``verl`` extra cannot
+drift apart.
 
 ``--constraints FILE`` (``constraints/verl.txt``: the versions pip's resolver picks
 for ``verl[vllm]==0.9.1``) first builds the user's environment the page starts from:
@@ -15,35 +13,31 @@ with the same constraints. A documented command that would change one of verl's
 versions (torch, protobuf, transformers, ray, ...) then fails to resolve rather than
 replacing it.
 
-Stdlib only: it runs before the environment it builds exists.
+Stdlib only: it runs before the environment it builds exists (``python -m``, from the
+repository's root; the page's block is read and run by :mod:`tests.documented_install`).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+from tests import documented_install as block
+
 __all__ = [
     "CONSTRAINTS",
     "DOCS_PAGE",
-    "MARKER",
     "MEGATRON_ENVIRONMENT",
     "VERL_ENVIRONMENT",
     "documented_commands",
     "install",
     "install_verl_environment",
-    "localized",
 ]
 
-REPO = Path(__file__).resolve().parents[4]
-DOCS_PAGE = REPO / "docs" / "frameworks" / "verl.md"
-CONSTRAINTS = REPO / "constraints" / "verl.txt"
-MARKER = "<!-- documented-install"
-PACKAGE = "lossreduce[verl]"
+DOCS_PAGE = block.REPO / "docs" / "frameworks" / "verl.md"
+CONSTRAINTS = block.REPO / "constraints" / "verl.txt"
 
 VERL_ENVIRONMENT = (
     "verl[verl-core]",
@@ -64,42 +58,9 @@ resolves brings (``verl[megatron]==0.9.1`` pins megatron-bridge 0.5.2, which the
 does not have). Transformer Engine and vllm, CUDA builds, are left out."""
 
 
-class DocumentedInstallError(ValueError):
-    """The page's install block is missing or holds a command this script cannot run as is."""
-
-
 def documented_commands(page: Path = DOCS_PAGE) -> list[list[str]]:
-    """The commands of the bash block right after the page's :data:`MARKER`, one per line."""
-    text = page.read_text(encoding="utf-8")
-    found = re.search(re.escape(MARKER) + r"[^\n]*\n```bash\n(.*?)\n```", text, re.DOTALL)
-    if found is None:
-        raise DocumentedInstallError(f"{page}: no ```bash block right after {MARKER!r}")
-    commands = [shlex.split(line, comments=True) for line in found.group(1).splitlines()]
-    return [command for command in commands if command]
-
-
-def localized(
-    command: list[str],
-    python: Path,
-    editable: bool = False,
-    constraints: Path | None = None,
-) -> list[str]:
-    """``command`` run with ``python``'s pip, installing this checkout for ``lossreduce[verl]``."""
-    if command[:2] != ["pip", "install"]:
-        raise DocumentedInstallError(
-            f"{DOCS_PAGE.name}: the install block may hold only `pip install` lines, "
-            f"got {shlex.join(command)!r}"
-        )
-    local = f"{REPO}[verl]"
-    args: list[str] = []
-    for arg in command[2:]:
-        if arg == PACKAGE:
-            args += ["-e", local] if editable else [local]
-        else:
-            args.append(arg)
-    if constraints is not None:
-        args += ["-c", str(constraints)]
-    return [str(python), "-m", "pip", "install", "--quiet", *args]
+    """The commands of the page's install block, one per line."""
+    return block.documented_commands(page)
 
 
 def install_verl_environment(
@@ -125,15 +86,10 @@ def install(
     is installed first (:func:`install_verl_environment`) and every command runs under
     the same pins.
     """
-    commands = documented_commands()
-    if not any(PACKAGE in command for command in commands):
-        raise DocumentedInstallError(
-            f"{DOCS_PAGE.name}: the install block never installs {PACKAGE!r}"
-        )
+    block.documented_commands(DOCS_PAGE)  # the block exists before anything installs
     if constraints is not None:
         install_verl_environment(python, constraints, environment)
-    for command in commands:
-        subprocess.run(localized(command, python, editable, constraints), check=True)
+    block.run(DOCS_PAGE, python, extra="verl", editable=editable, constraints=constraints)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,463 @@
+"""LossReducePolicyWorker against SkyRL 0.4's real FSDP policy worker on CPU.
+
+SkyRL's ``FSDPPolicyWorkerBase`` (stock) and ``LossReducePolicyWorker`` each run one
+policy mini-batch (``forward_backward``) per case on a tiny Qwen2, on one rank and on
+two gloo ranks, with several micro-batch sizes, and the tests read the cached
+gradients (taken before the optimizer step: what SGD with lr 1 and no clipping
+applies). The expected gradients come from :func:`tiny_skyrl.reference_grads`, the
+formulas of the reduction semantics over the whole mini-batch in one process, without
+SkyRL. Every case has SkyRL's KL loss and entropy loss on unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from tests.conftest import TEST_SETTINGS
+from tests.trainer_worker.integrations.skyrl import tiny_skyrl
+from tests.trainer_worker.integrations.skyrl.skyrl_runs import Case, run
+
+DIVISOR = 5.0
+MODES: dict[str, float | None] = {
+    "token_mean": None,
+    "seq_mean": None,
+    "prompt_mean": None,
+    "constant": DIVISOR,
+}
+LAYOUTS: dict[str, tuple[int, int]] = {
+    # name -> (ranks, micro-batch size per rank): 8 responses in one mini-batch.
+    "dp1-mb8": (1, 8),
+    "dp1-mb4": (1, 4),
+    "dp1-mb2": (1, 2),
+    "dp1-mb1": (1, 1),
+    "dp2-mb4": (2, 4),
+    "dp2-mb2": (2, 2),
+    "dp2-mb1": (2, 1),
+}
+INVARIANCE_LAYOUTS = ("dp1-mb8", "dp1-mb1", "dp2-mb4", "dp2-mb2", "dp2-mb1")
+FORMULA_RTOL = 1e-5
+"""|grad - reference| / |reference| over all parameters: float32 with SkyRL's forward
+against Hugging Face's is ~2e-7 here; a wrong normalizer is off by 1/8 or more."""
+SPLIT_RTOL = 1e-6
+"""The same between two layouts of lossreduce's worker (float32 reordering)."""
+STOCK_SPLIT_SPREAD = 0.1
+"""Stock SkyRL's entropy gradient moves at least this much between micro-batch sizes."""
+PG_ONLY: dict[str, Any] = {"kl": False, "entropy": False}
+POLICY_LOSSES = (
+    "regular",
+    "dual_clip",
+    "gspo",
+    "cispo",
+    "sapo",
+    "dppo",
+    "rollout_is",
+    "importance_sampling",
+)
+"""SkyRL 0.4's registered policy losses that lossreduce runs (the others are refused)."""
+ENTROPY_ONLY: dict[str, Any] = {"kl": False, "zero_advantages": True}
+KL_ONLY: dict[str, Any] = {"entropy": False, "zero_advantages": True}
+
+
+def layout_cases(layout: str, target: str) -> list[Case]:
+    world, _ = LAYOUTS[layout]
+    cases = [
+        Case("stock-entropy", worker="stock", **ENTROPY_ONLY),
+        Case("entropy", **ENTROPY_ONLY),
+        Case("stock-kl", worker="stock", **KL_ONLY),
+        Case("kl-seq_mean", kl_mode="seq_mean", **KL_ONLY),
+        Case("stock-pg", worker="stock", **PG_ONLY),
+        Case("pg", **PG_ONLY),
+    ]
+    if layout in INVARIANCE_LAYOUTS:
+        cases += [Case(f"all-{mode}", mode=mode, divisor=div) for mode, div in MODES.items()]
+        cases.append(
+            Case(
+                "mixed-modes",
+                mode="seq_mean",
+                kl_mode="constant",
+                entropy_mode="prompt_mean",
+                divisor=DIVISOR,
+            )
+        )
+        cases.append(Case("token-budget", mode="prompt_mean", max_tokens=12))
+    if world == 2 and layout == "dp2-mb2":
+        cases += [
+            Case("nan-advantage", mode="prompt_mean", batch="nan_advantage"),
+            Case(
+                "inf-advantage-coordinator",
+                batch="inf_advantage",
+                normalizer="coordinator",
+                coordinator=target,
+            ),
+            Case("masked-nan", mode="prompt_mean", batch="masked_nan"),
+            Case("coordinator", mode="prompt_mean", normalizer="coordinator", coordinator=target),
+            Case("empty-raise", batch="all_masked"),
+            Case(
+                "empty-raise-coordinator",
+                batch="all_masked",
+                normalizer="coordinator",
+                coordinator=target,
+            ),
+            Case(
+                "empty-skip",
+                batch="all_masked",
+                on_empty_step="skip",
+                optimizer="adamw",
+                step=True,
+            ),
+            Case("adamw-step", optimizer="adamw", step=True),
+            Case("stock-ab", worker="stock", optimizer="sgd", step=True, **PG_ONLY),
+            Case("ab", optimizer="sgd", step=True, **PG_ONLY),
+            Case(
+                "stock-ab-dense",
+                worker="stock",
+                batch="dense",
+                entropy=False,
+                optimizer="sgd",
+                step=True,
+            ),
+            Case(
+                "ab-dense-seq-kl",
+                batch="dense",
+                kl_mode="seq_mean",
+                entropy=False,
+                optimizer="sgd",
+                step=True,
+            ),
+            Case("seq_mean-counts", mode="seq_mean", **PG_ONLY),
+            Case(
+                "stock-nan-advantage",
+                worker="stock",
+                batch="nan_advantage",
+                optimizer="adamw",
+                step=True,
+            ),
+            Case("stock-empty", worker="stock", batch="all_masked", optimizer="adamw", step=True),
+        ]
+        for loss in POLICY_LOSSES:
+            for worker in ("stock", "lossreduce"):
+                cases.append(
+                    Case(
+                        f"{worker}-loss-{loss}",
+                        worker=worker,
+                        policy_loss=loss,
+                        rollout_logprobs=True,
+                        on_policy=True,
+                        # SkyRL skips the old log-probabilities' forward for these two.
+                        without_old=loss in ("rollout_is", "dppo"),
+                        **PG_ONLY,
+                    )
+                )
+    return cases
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_skyrl.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def coordinator_target() -> Iterator[str]:
+    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
+    yield thread.target
+    thread.stop()
+
+
+Results = Callable[[str, str], list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def results(
+    model_dir: Path, coordinator_target: str, tmp_path_factory: pytest.TempPathFactory
+) -> Results:
+    """(layout, case) -> every rank's result (each layout runs once per module)."""
+    cache: dict[str, list[dict[str, Any]]] = {}
+    root = Path(__file__).resolve().parents[4]
+
+    def get(layout: str, case: str) -> list[dict[str, Any]]:
+        if layout not in cache:
+            world, micro = LAYOUTS[layout]
+            with pytest.MonkeyPatch.context() as patch:
+                # Spawned ranks import the run module by name.
+                patch.syspath_prepend(str(root))
+                cache[layout] = run(
+                    world,
+                    micro,
+                    layout_cases(layout, coordinator_target),
+                    model_dir,
+                    tmp_path_factory.mktemp(layout),
+                )
+        return [per_rank[case] for per_rank in cache[layout]]
+
+    return get
+
+
+def ok(results: Results, layout: str, case: str) -> list[dict[str, Any]]:
+    per_rank = results(layout, case)
+    for rank, result in enumerate(per_rank):
+        assert result["error"] is None, f"{layout} {case} rank {rank}: {result['traceback']}"
+    return per_rank
+
+
+def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """|got - want| / |want| over all parameters."""
+    assert sorted(got) == sorted(want)
+    num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
+    den = sum(float(want[n].double().pow(2).sum()) for n in want)
+    assert den > 0, "the reference gradient is zero"
+    return math.sqrt(num / den)
+
+
+def grads(results: Results, layout: str, case: str) -> dict[str, torch.Tensor]:
+    """Rank 0's gradients (every rank holds the same full gradient)."""
+    per_rank = ok(results, layout, case)
+    for other in per_rank[1:]:
+        for name, grad in per_rank[0]["grads"].items():
+            assert torch.equal(other["grads"][name], grad), (layout, case, name)
+    return per_rank[0]["grads"]  # type: ignore[no-any-return]
+
+
+# -- the entropy and KL terms: stock SkyRL against lossreduce --------------------------
+
+
+def test_stock_skyrls_entropy_gradient_depends_on_the_micro_batch_split(results: Results) -> None:
+    """SkyRL's entropy term is a token mean per micro-batch, weighted by the micro-batch's
+    share of rows: its gradient moves with the micro-batch size."""
+    whole = grads(results, "dp1-mb8", "stock-entropy")
+    moved = {
+        layout: relative(grads(results, layout, "stock-entropy"), whole)
+        for layout in ("dp1-mb4", "dp1-mb2", "dp1-mb1", "dp2-mb2")
+    }
+    assert max(moved.values()) > STOCK_SPLIT_SPREAD, moved
+    assert all(value > 1e-3 for value in moved.values()), moved
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lossreduces_entropy_gradient_is_the_formula_whatever_the_split(
+    results: Results, model_dir: Path, layout: str
+) -> None:
+    batch = tiny_skyrl.with_advantages(
+        tiny_skyrl.rows(), torch.zeros_like(tiny_skyrl.rows().advantages)
+    )
+    want = tiny_skyrl.reference_grads(model_dir, batch, tiny_skyrl.Terms(pg=False, kl=False))
+    assert relative(grads(results, layout, "entropy"), want) <= FORMULA_RTOL
+    assert relative(grads(results, layout, "entropy"), grads(results, "dp1-mb8", "entropy")) <= (
+        SPLIT_RTOL
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stock_skyrls_kl_is_a_mean_over_all_responses_masked_ones_as_zero(
+    results: Results, model_dir: Path, layout: str
+) -> None:
+    """SkyRL's KL: each response's token mean, averaged over all 8 responses (the masked
+    one adds a zero). It does not depend on the split; lossreduce's ``kl_mode=seq_mean``
+    averages over the 7 active responses, so SkyRL's is 7/8 of it here."""
+    stock = grads(results, layout, "stock-kl")
+    seq = grads(results, layout, "kl-seq_mean")
+    assert relative({n: g * 8 / 7 for n, g in stock.items()}, seq) <= FORMULA_RTOL
+    batch = tiny_skyrl.with_advantages(
+        tiny_skyrl.rows(), torch.zeros_like(tiny_skyrl.rows().advantages)
+    )
+    want = tiny_skyrl.reference_grads(
+        model_dir, batch, tiny_skyrl.Terms(pg=False, entropy=False, kl_mode="seq_mean")
+    )
+    assert relative(seq, want) <= FORMULA_RTOL
+
+
+# -- every mode against the formula, on 1 and 2 ranks and every micro-batch size -------
+
+
+@pytest.mark.parametrize("mode", [*MODES, "mixed-modes"])
+@pytest.mark.parametrize("layout", INVARIANCE_LAYOUTS)
+def test_every_mode_gives_the_formula_whatever_the_split(
+    results: Results, model_dir: Path, layout: str, mode: str
+) -> None:
+    if mode == "mixed-modes":
+        case = "mixed-modes"
+        terms = tiny_skyrl.Terms(
+            mode="seq_mean", kl_mode="constant", entropy_mode="prompt_mean", divisor=DIVISOR
+        )
+    else:
+        case = f"all-{mode}"
+        terms = tiny_skyrl.Terms(mode=mode, divisor=MODES[mode])
+    want = tiny_skyrl.reference_grads(model_dir, tiny_skyrl.rows(), terms)
+    got = grads(results, layout, case)
+    assert relative(got, want) <= FORMULA_RTOL
+    assert relative(got, grads(results, "dp1-mb8", case)) <= SPLIT_RTOL
+
+
+@pytest.mark.parametrize("layout", INVARIANCE_LAYOUTS)
+def test_token_based_micro_batches_give_the_formula(
+    results: Results, model_dir: Path, layout: str
+) -> None:
+    """SkyRL's ``max_tokens_per_microbatch`` packs rows out of order (and pads ranks with
+    empty micro-batches): the same update."""
+    want = tiny_skyrl.reference_grads(
+        model_dir, tiny_skyrl.rows(), tiny_skyrl.Terms(mode="prompt_mean")
+    )
+    assert relative(grads(results, layout, "token-budget"), want) <= FORMULA_RTOL
+
+
+# -- the normalizers are SkyRL's own counts --------------------------------------------
+
+
+def test_the_token_mean_normalizer_is_skyrls_own_count(results: Results) -> None:
+    """SkyRL divides the mini-batch's advantages by its loss-mask sum; lossreduce's
+    ``pg`` normalizer in ``token_mean`` is that number, reduced over the ranks."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        apply_loss_reduction_to_advantages_minibatch,
+    )
+
+    batch = tiny_skyrl.rows()
+    scaled = apply_loss_reduction_to_advantages_minibatch(
+        advantages=batch.advantages,
+        loss_mask=batch.loss_mask,
+        loss_reduction="token_mean",
+        micro_batch_size=1,
+        max_seq_len=6,
+        prompt_boundaries=None,
+    )
+    active = batch.loss_mask.bool() & (batch.advantages != 0)
+    skyrls = float((batch.advantages[active] / scaled[active]).mean())
+    for layout in ("dp1-mb8", "dp2-mb2"):
+        for rank in ok(results, layout, "pg"):
+            assert rank["normalizers"] == {"pg": skyrls}
+    assert skyrls == float(batch.loss_mask.sum())
+
+
+def test_seq_mean_counts_active_responses_where_skyrl_counts_all(results: Results) -> None:
+    """SkyRL's ``sequence_mean`` divides by the mini-batch's 8 responses, the fully masked
+    one too; lossreduce's ``seq_mean`` by the 7 active ones."""
+    for rank in ok(results, "dp2-mb2", "seq_mean-counts"):
+        assert rank["normalizers"] == {"pg": 7.0}
+    tokens = float(tiny_skyrl.rows().loss_mask.sum())
+    for rank in ok(results, "dp2-mb2", "all-prompt_mean"):
+        assert rank["normalizers"]["pg"] == 3.0  # 3 prompt groups, SkyRL's prompt count too
+        assert rank["normalizers"]["kl"] == rank["normalizers"]["entropy"] == tokens
+
+
+def test_the_coordinator_gives_the_torch_backends_gradient_bit_for_bit(results: Results) -> None:
+    torch_side = grads(results, "dp2-mb2", "all-prompt_mean")
+    coordinator = grads(results, "dp2-mb2", "coordinator")
+    for name, grad in torch_side.items():
+        assert torch.equal(coordinator[name], grad), name
+    for rank in ok(results, "dp2-mb2", "coordinator"):
+        assert rank["metrics"]["lossreduce/normalizer/pg"] == 3.0
+
+
+# -- A/B against stock SkyRL ------------------------------------------------------------
+
+
+def test_token_mean_is_skyrls_own_update_under_sgd(results: Results) -> None:
+    """SGD (lr 1) without clipping: the policy loss's update equals stock SkyRL's."""
+    stock = ok(results, "dp2-mb2", "stock-ab")[0]["update"]
+    ours = ok(results, "dp2-mb2", "ab")[0]["update"]
+    assert relative(ours, stock) <= 1e-6
+    for layout in ("dp1-mb8", "dp1-mb1", "dp2-mb1"):
+        assert relative(grads(results, layout, "pg"), grads(results, layout, "stock-pg")) <= 1e-6
+
+
+def test_with_every_response_active_skyrls_kl_is_lossreduces_seq_mean_kl(
+    results: Results,
+) -> None:
+    """No masked response: SkyRL's KL (a mean over all responses) is lossreduce's
+    ``kl_mode=seq_mean``, so the policy loss and the KL loss together update as stock
+    SkyRL's do (SGD, no clipping)."""
+    stock = ok(results, "dp2-mb2", "stock-ab-dense")[0]["update"]
+    ours = ok(results, "dp2-mb2", "ab-dense-seq-kl")[0]["update"]
+    assert relative(ours, stock) <= 1e-6
+
+
+@pytest.mark.parametrize("loss", POLICY_LOSSES)
+def test_every_policy_loss_skyrl_ships_gives_skyrls_own_token_mean_update(
+    results: Results, loss: str
+) -> None:
+    """Each of SkyRL's registered policy losses (but the refused ones) runs with lossreduce's
+    normalizers and gives SkyRL's own gradient in ``token_mean`` (2 ranks, a first
+    on-policy update, with the rollout's log-probabilities in the batch, which
+    ``rollout_is`` needs; without the old ones for ``rollout_is`` and ``dppo``, whose
+    forward SkyRL's trainer then skips)."""
+    stock = grads(results, "dp2-mb2", f"stock-loss-{loss}")
+    ours = grads(results, "dp2-mb2", f"lossreduce-loss-{loss}")
+    assert relative(ours, stock) <= 1e-6
+    assert any(bool(g.any()) for g in ours.values())
+
+
+# -- bad input, empty mini-batches -----------------------------------------------------
+
+
+def test_stock_skyrl_trains_on_a_nan_advantage_without_an_error(results: Results) -> None:
+    """The loss and every gradient turn NaN; SkyRL's optimizer step skips a non-finite
+    gradient norm with a logged warning, on each rank for itself."""
+    for rank in ok(results, "dp2-mb2", "stock-nan-advantage"):
+        assert math.isnan(rank["metrics"]["policy_loss"])
+        assert math.isnan(float(rank["grad_norm"]))
+        assert rank["optimizer_steps"] == 0
+
+
+def test_stock_skyrl_steps_on_an_empty_mini_batch(results: Results) -> None:
+    """SkyRL's counts are clamped to 1: a mini-batch whose responses are all masked trains
+    on a zero gradient without an error, and AdamW's weight decay still moves the weights."""
+    for rank in ok(results, "dp2-mb2", "stock-empty"):
+        assert float(rank["grad_norm"]) == 0.0
+        assert rank["optimizer_steps"] > 0
+        assert any(bool(delta.any()) for delta in rank["update"].values())
+
+
+def test_a_nan_advantage_is_refused_on_every_rank_before_backward(results: Results) -> None:
+    owner, peer = results("dp2-mb2", "nan-advantage")[1], results("dp2-mb2", "nan-advantage")[0]
+    assert owner["error_type"] == "InvalidPartialError", owner["error"]
+    assert "advantages: nan at 1 active tokens of rank 1 rows [2]" in owner["error"]
+    assert "(mini-batch rows [6])" in owner["error"]
+    assert peer["error_type"] == "RoundAbortedError", peer["error"]
+    assert "rank 1" in peer["error"]
+    for rank in (owner, peer):
+        assert "grads" not in rank  # refused before any backward
+
+
+def test_an_inf_advantage_is_refused_on_every_rank_through_the_coordinator(
+    results: Results,
+) -> None:
+    owner, peer = results("dp2-mb2", "inf-advantage-coordinator")
+    assert owner["error_type"] == "InvalidPartialError", owner["error"]
+    assert "advantages: inf at 1 active tokens of rank 0 rows [1]" in owner["error"]
+    assert peer["error_type"] == "RoundAbortedError", peer["error"]
+    assert "rank 0" in peer["error"]
+
+
+def test_a_nan_at_masked_tokens_trains_as_if_it_were_not_there(results: Results) -> None:
+    clean = grads(results, "dp2-mb2", "all-prompt_mean")
+    masked = grads(results, "dp2-mb2", "masked-nan")
+    for name, grad in clean.items():
+        assert torch.isfinite(masked[name]).all(), name
+        assert torch.equal(masked[name], grad), name
+
+
+@pytest.mark.parametrize("case", ["empty-raise", "empty-raise-coordinator"])
+def test_an_empty_mini_batch_is_refused_on_every_rank(results: Results, case: str) -> None:
+    for rank in results("dp2-mb2", case):
+        assert rank["error_type"] == "EmptyNormalizerError", rank["error"]
+        assert "pg" in rank["error"]
+
+
+def test_an_empty_mini_batch_is_skipped_on_every_rank_without_an_optimizer_step(
+    results: Results,
+) -> None:
+    for rank in ok(results, "dp2-mb2", "empty-skip"):
+        assert rank["skipped_steps"] == 1
+        assert rank["normalizers"] is None
+        assert rank["grad_norm"] is None
+        assert rank["optimizer_steps"] == 0
+        assert all(not bool(delta.any()) for delta in rank["update"].values())
+        assert rank["metrics"]["lossreduce/skipped"] == 1.0
+    for rank in ok(results, "dp2-mb2", "adamw-step"):  # the same step, not empty, does move
+        assert rank["optimizer_steps"] > 0
+        assert any(bool(delta.any()) for delta in rank["update"].values())
