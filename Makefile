@@ -17,6 +17,13 @@ PYTEST_ARGS ?=
 # handler is off again: interpreter teardown is where such a crash has shown up.
 export PYTHONFAULTHANDLER ?= 1
 
+# PRUNE_VENVS=1 (as .ci/run sets it) removes each framework's and matrix cell's
+# environment once its suite has run, passed or not: together they hold over 40 GB, more
+# than a CI machine may have free, and CI never reuses them. `$(call pruned,DIR)` ends a
+# test recipe's pytest line: the suite's exit status is kept.
+PRUNE_VENVS ?=
+pruned = $(if $(PRUNE_VENVS),; status=$$?; rm -rf $(1); exit $$status)
+
 .PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-verl-megatron test-areal test-megatron test-skyrl test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
@@ -112,7 +119,7 @@ $(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) 
 test-verl: $(VERL_VENV)/.installed
 	$(VERL_VENV)/bin/pytest -p no:asyncio tests/trainer_worker/integrations/verl \
 		tests/trainer_worker/train/engines/verl \
-		--ignore=tests/trainer_worker/integrations/verl/megatron $(PYTEST_ARGS)
+		--ignore=tests/trainer_worker/integrations/verl/megatron $(PYTEST_ARGS) $(call pruned,$(VERL_VENV))
 
 # verl's Megatron engine (tests/trainer_worker/integrations/verl/megatron) runs in an
 # environment of its own, a verl Megatron user's less its GPU parts, on Python 3.12 (the
@@ -147,7 +154,7 @@ $(VERL_MEGATRON_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_
 
 test-verl-megatron: $(VERL_MEGATRON_VENV)/.installed
 	$(VERL_MEGATRON_VENV)/bin/pytest -p no:asyncio tests/trainer_worker/integrations/verl/megatron \
-		$(PYTEST_ARGS)
+		$(PYTEST_ARGS) $(call pruned,$(VERL_MEGATRON_VENV))
 
 # AReaL 1.0.4 pins torch<2.11, so its tests (tests/trainer_worker/integrations/areal,
 # and tests/trainer_worker/train/engines/areal: lossreduce train --engine areal)
@@ -178,7 +185,7 @@ $(AREAL_VENV)/.installed: pyproject.toml docs/frameworks/areal.md $(AREAL_CONSTR
 test-areal: $(AREAL_VENV)/.installed
 	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal \
 		tests/trainer_worker/train/engines/areal \
-		--ignore=tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS)
+		--ignore=tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS) $(call pruned,$(AREAL_VENV))
 
 # AReaL's Megatron engine (tests/trainer_worker/integrations/areal/megatron) runs in an
 # environment of its own: Python 3.12 (megatron-core's), AReaL 1.0.4 with megatron-core
@@ -202,7 +209,8 @@ $(MEGATRON_VENV)/.installed: pyproject.toml constraints/megatron.txt
 	touch $@
 
 test-megatron: $(MEGATRON_VENV)/.installed
-	$(MEGATRON_VENV)/bin/pytest tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS)
+	$(MEGATRON_VENV)/bin/pytest tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS) \
+		$(call pruned,$(MEGATRON_VENV))
 
 # SkyRL 0.4 needs Python 3.12, so its tests (tests/trainer_worker/integrations/skyrl) run in
 # an environment of its own, a SkyRL user's as closely as PyPI and a machine without CUDA
@@ -237,7 +245,7 @@ $(SKYRL_VENV)/.installed: pyproject.toml docs/frameworks/skyrl.md $(SKYRL_INSTAL
 # main_base launch on CPU: 3 steps, a SIGKILL after step 2 and the resume, the refusals
 # (7 to 12 minutes on 2 shared cores), and the bench on a small workload.
 test-skyrl: $(SKYRL_VENV)/.installed
-	$(SKYRL_VENV)/bin/pytest tests/trainer_worker/integrations/skyrl $(PYTEST_ARGS)
+	$(SKYRL_VENV)/bin/pytest tests/trainer_worker/integrations/skyrl $(PYTEST_ARGS) $(call pruned,$(SKYRL_VENV))
 
 # The test matrix: the core suite (wire contract, coordinator, client, reduction
 # library, the coordinator as a Ray actor) at the floor and at the ceiling of the
@@ -271,11 +279,12 @@ CORE_IGNORE := --ignore=tests/server/reliability
 	touch $@
 
 test-floor: .venv-floor/.installed
-	.venv-floor/bin/pytest $(CORE_TESTS) $(CORE_IGNORE) $(PYTEST_ARGS)
+	.venv-floor/bin/pytest $(CORE_TESTS) $(CORE_IGNORE) $(PYTEST_ARGS) $(call pruned,.venv-floor)
 
 test-ceiling: .venv-ceiling/.installed
 	.venv-ceiling/bin/pytest $(CORE_TESTS) $(CORE_IGNORE) \
-		--deselect tests/test_proto_binding.py::test_committed_binding_matches_regenerated $(PYTEST_ARGS)
+		--deselect tests/test_proto_binding.py::test_committed_binding_matches_regenerated $(PYTEST_ARGS) \
+		$(call pruned,.venv-ceiling)
 
 test-matrix: test-floor test-ceiling
 
@@ -292,8 +301,8 @@ test-resolve: $(VENV)/.installed-dev
 # suite.
 test: lint docs typecheck
 	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-resolve
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-areal test-matrix test-megatron \
-		test-verl-megatron test-skyrl
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-skyrl test-areal \
+		test-verl-megatron test-megatron test-matrix
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
