@@ -85,10 +85,13 @@ def config_problems(cfg: Any, settings: SkyRLReductionSettings) -> list[str]:
     critic_path = getattr(getattr(getattr(cfg, "critic", None), "model", None), "path", None)
     if critic_path is not None:
         problems.append(
-            f"trainer.critic.model.path={critic_path!r}: SkyRL's critic averages its value "
-            "loss over each micro-batch's responses and then over the micro-batches, a mean "
-            "of micro-batch means that lossreduce's policy worker does not replace; train "
-            "without a critic (a GRPO, RLOO or REINFORCE++ advantage estimator)"
+            f"trainer.critic.model.path={critic_path!r}: SkyRL's critic takes each "
+            "response's token mean of its value loss, averages it over each micro-batch's "
+            "responses and then over the micro-batches (the mini-batch's mean over responses "
+            "only where every micro-batch is of one size; a fully masked response counts as "
+            "a zero), with no normalizer or validation of lossreduce's, which reach the "
+            "policy worker only. Train without a critic (a GRPO, RLOO or REINFORCE++ "
+            "advantage estimator)"
         )
     return problems
 
