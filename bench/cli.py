@@ -28,16 +28,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lossreduce.bench.contenders import Endpoints
-from lossreduce.bench.e2e import (
-    run_areal_e2e,
-    run_e2e,
-    run_skyrl_e2e,
-    run_trl_e2e,
-    run_verl_e2e,
-    run_verl_main_ppo_e2e,
-    run_verl_megatron_e2e,
-    run_verl_statistics_e2e,
-)
+from lossreduce.bench.e2e import FRAMEWORK_E2E_KEYS, run_e2e, run_frameworks_e2e
 from lossreduce.bench.hosts import CONTENDERS, ECHO, HIERARCHICAL
 from lossreduce.bench.many_runs import ManyRunsSettings, format_many_runs, run_many_runs
 from lossreduce.bench.report import (
@@ -372,13 +363,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
     finally:
         servers.stop()
     e2e = None
-    e2e_trl = None
-    e2e_verl = None
-    e2e_verl_megatron = None
-    e2e_verl_statistics = None
-    e2e_main_ppo = None
-    e2e_areal = None
-    e2e_skyrl = None
+    frameworks: dict[str, object] = dict.fromkeys(FRAMEWORK_E2E_KEYS)
     if settings.e2e:
         # After the servers stopped: training starts its own Ray cluster and coordinator.
         print("end to end: lossreduce train, --normalizer torch vs coordinator", flush=True)
@@ -390,21 +375,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
             skip=settings.e2e_skip_steps,
             timeout_s=settings.startup_timeout_s + 60.0 * settings.e2e_steps,
         )
-        print("end to end: a TRL GRPO step, lossreduce normalizers vs TRL's dapo", flush=True)
-        e2e_trl = run_trl_e2e()
-        print("end to end: a verl actor step, lossreduce normalizers vs verl's token-mean")
-        e2e_verl = run_verl_e2e()
-        print("end to end: a verl Megatron actor step, lossreduce vs verl's token-mean")
-        e2e_verl_megatron = run_verl_megatron_e2e()
-        print("end to end: verl's kl_cov, its statistic over the mini-batch vs per call")
-        e2e_verl_statistics = run_verl_statistics_e2e()
-        if settings.e2e_main_ppo:
-            print("end to end: verl main_ppo, the lossreduce trainer mode vs stock", flush=True)
-            e2e_main_ppo = run_verl_main_ppo_e2e()
-        print("end to end: AReaL's PPO update, LossReduce actor vs AReaL's own", flush=True)
-        e2e_areal = run_areal_e2e()
-        print("end to end: a SkyRL policy update, lossreduce normalizers vs SkyRL's token_mean")
-        e2e_skyrl = run_skyrl_e2e()
+        frameworks = run_frameworks_e2e(main_ppo=settings.e2e_main_ppo)
     checks = targets(
         results,
         hierarchical_world_size=settings.hierarchical_nodes * settings.ranks_per_node,
@@ -418,13 +389,7 @@ def run_bench(settings: BenchSettings) -> dict[str, object]:
         "ratios": ratios(results),
         "targets": checks,
         "e2e": e2e,
-        "e2e_trl": e2e_trl,
-        "e2e_verl": e2e_verl,
-        "e2e_verl_megatron": e2e_verl_megatron,
-        "e2e_verl_statistics": e2e_verl_statistics,
-        "e2e_verl_main_ppo": e2e_main_ppo,
-        "e2e_areal": e2e_areal,
-        "e2e_skyrl": e2e_skyrl,
+        **frameworks,
         "notes": [
             "latency: from the first rank issuing its contribution to the last rank holding "
             "the sums (perf_counter_ns across processes); rounds/s = 1 / mean latency",

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
     from lossreduce.bench.frameworks.verl import VerlBenchSettings
 
 __all__ = [
+    "FRAMEWORK_E2E_KEYS",
     "TRL_TARGET_RATIO",
     "E2EError",
     "E2EResult",
     "abba",
     "run_areal_e2e",
     "run_e2e",
+    "run_frameworks_e2e",
     "run_skyrl_e2e",
     "run_trl_e2e",
     "run_verl_e2e",
@@ -328,3 +330,38 @@ def _megatron_installed() -> bool:
         return all(importlib.util.find_spec(m) is not None for m in ("megatron.core", "mbridge"))
     except ModuleNotFoundError:  # no `megatron` package at all
         return False
+
+
+FRAMEWORK_E2E_KEYS = (
+    "e2e_trl",
+    "e2e_verl",
+    "e2e_verl_megatron",
+    "e2e_verl_statistics",
+    "e2e_verl_main_ppo",
+    "e2e_areal",
+    "e2e_skyrl",
+)
+"""The bench payload's keys for :func:`run_frameworks_e2e`'s results (None: not run)."""
+
+
+def run_frameworks_e2e(main_ppo: bool) -> dict[str, object]:
+    """Every framework's step with lossreduce against its own, each where the framework is
+    installed (None, said in one line, where not); ``main_ppo``: verl's whole
+    ``main_ppo`` step too. Keyed by :data:`FRAMEWORK_E2E_KEYS`."""
+    out: dict[str, object] = dict.fromkeys(FRAMEWORK_E2E_KEYS)
+    print("end to end: a TRL GRPO step, lossreduce normalizers vs TRL's dapo", flush=True)
+    out["e2e_trl"] = run_trl_e2e()
+    print("end to end: a verl actor step, lossreduce normalizers vs verl's token-mean", flush=True)
+    out["e2e_verl"] = run_verl_e2e()
+    print("end to end: a verl Megatron actor step, lossreduce vs verl's token-mean", flush=True)
+    out["e2e_verl_megatron"] = run_verl_megatron_e2e()
+    print("end to end: verl's kl_cov, its statistic over the mini-batch vs per call", flush=True)
+    out["e2e_verl_statistics"] = run_verl_statistics_e2e()
+    if main_ppo:
+        print("end to end: verl main_ppo, the lossreduce trainer mode vs stock", flush=True)
+        out["e2e_verl_main_ppo"] = run_verl_main_ppo_e2e()
+    print("end to end: AReaL's PPO update, LossReduce actor vs AReaL's own", flush=True)
+    out["e2e_areal"] = run_areal_e2e()
+    print("end to end: a SkyRL policy update, lossreduce vs SkyRL's token_mean", flush=True)
+    out["e2e_skyrl"] = run_skyrl_e2e()
+    return out
