@@ -138,11 +138,11 @@ test-verl: $(VERL_VENV)/.installed
 VERL_MEGATRON_VENV        := .venv-verl-megatron
 VERL_MEGATRON_PY          := $(VERL_MEGATRON_VENV)/bin/python
 VERL_MEGATRON_CONSTRAINTS := constraints/verl-megatron.txt
-$(VERL_MEGATRON_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) $(VERL_MEGATRON_CONSTRAINTS)
+$(VERL_MEGATRON_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) tests/documented_install.py $(VERL_MEGATRON_CONSTRAINTS)
 	rm -rf $(VERL_MEGATRON_VENV)
 	$(MEGATRON_PYTHON) -m venv $(VERL_MEGATRON_VENV)
 	$(MATRIX_PIP) $(VERL_MEGATRON_PY) -m pip install --quiet --upgrade pip
-	$(MATRIX_PIP) $(PYTHON) $(VERL_INSTALL) --python $(VERL_MEGATRON_PY) \
+	$(MATRIX_PIP) $(PYTHON) -m $(call module_of,$(VERL_INSTALL)) --python $(VERL_MEGATRON_PY) \
 		--constraints $(VERL_MEGATRON_CONSTRAINTS) --editable --megatron
 	$(MATRIX_PIP) $(VERL_MEGATRON_PY) -m pip install --quiet -c $(VERL_MEGATRON_CONSTRAINTS) \
 		pytest pytest-timeout hypothesis
