@@ -296,13 +296,12 @@ test-resolve: $(VENV)/.installed-dev
 # Frameworks whose pins conflict with ours run in environments of their own. They are
 # independent of each other and of the matrix cells (own venvs, own Ray sessions,
 # loopback ports picked free), so they run side by side, each target's output kept
-# together: it keeps `make test` well inside CI's time on 2 cores. The resolution
-# checks wait on the package index more than on the CPU, so they run beside the main
-# suite.
+# together, the longest (verl's) first and the main suite beside it: one queue of two
+# slots keeps both cores busy to the end. The resolution checks wait on the package
+# index more than on the CPU.
 test: lint docs typecheck
-	$(MAKE) --no-print-directory -j2 --output-sync=target pytest test-resolve
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-skyrl test-areal \
-		test-verl-megatron test-megatron test-matrix
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl pytest test-resolve test-skyrl \
+		test-areal test-verl-megatron test-megatron test-matrix
 
 # Regenerate the gRPC binding from proto/lossreduce/v2/coordinator.proto.
 proto: $(VENV)/.installed-dev
