@@ -23,6 +23,10 @@ export PYTHONFAULTHANDLER ?= 1
 # test recipe's pytest line: the suite's exit status is kept.
 PRUNE_VENVS ?=
 pruned = $(if $(PRUNE_VENVS),; status=$$?; rm -rf $(1); exit $$status)
+# A suite builds its environment in its own recipe, not as a prerequisite: under -j2 make
+# would otherwise build every suite's environment before running the first suite (all of
+# them on disk at once, and the suites started late).
+venv_of = $(MAKE) --no-print-directory $(1)/.installed
 
 .PHONY: demo test lint typecheck linked-tree docs pytest test-verl test-verl-megatron test-areal test-megatron test-skyrl test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
 
@@ -116,7 +120,8 @@ $(VERL_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_INSTALL) 
 # verl's `verl-core` extra brings pytest-asyncio, whose plugin warns at start (an error
 # under our filterwarnings) when its loop scope is unset; no test here is async.
 # The Megatron folder runs in its own environment (test-verl-megatron), not skipped here.
-test-verl: $(VERL_VENV)/.installed
+test-verl:
+	$(call venv_of,$(VERL_VENV))
 	$(VERL_VENV)/bin/pytest -p no:asyncio tests/trainer_worker/integrations/verl \
 		tests/trainer_worker/train/engines/verl \
 		--ignore=tests/trainer_worker/integrations/verl/megatron $(PYTEST_ARGS) $(call pruned,$(VERL_VENV))
@@ -152,7 +157,8 @@ $(VERL_MEGATRON_VENV)/.installed: pyproject.toml docs/frameworks/verl.md $(VERL_
 	grep -v '^#' $(VERL_MEGATRON_CONSTRAINTS) | diff -u - $(VERL_MEGATRON_VENV)/freeze.txt
 	touch $@
 
-test-verl-megatron: $(VERL_MEGATRON_VENV)/.installed
+test-verl-megatron:
+	$(call venv_of,$(VERL_MEGATRON_VENV))
 	$(VERL_MEGATRON_VENV)/bin/pytest -p no:asyncio tests/trainer_worker/integrations/verl/megatron \
 		$(PYTEST_ARGS) $(call pruned,$(VERL_MEGATRON_VENV))
 
@@ -182,7 +188,8 @@ $(AREAL_VENV)/.installed: pyproject.toml docs/frameworks/areal.md $(AREAL_CONSTR
 	touch $@
 
 # The Megatron folder runs in its own environment (test-megatron), not skipped here.
-test-areal: $(AREAL_VENV)/.installed
+test-areal:
+	$(call venv_of,$(AREAL_VENV))
 	$(AREAL_VENV)/bin/pytest tests/trainer_worker/integrations/areal \
 		tests/trainer_worker/train/engines/areal \
 		--ignore=tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS) $(call pruned,$(AREAL_VENV))
@@ -208,7 +215,8 @@ $(MEGATRON_VENV)/.installed: pyproject.toml constraints/megatron.txt
 	grep -v '^#' constraints/megatron.txt | diff -u - $(MEGATRON_VENV)/freeze.txt
 	touch $@
 
-test-megatron: $(MEGATRON_VENV)/.installed
+test-megatron:
+	$(call venv_of,$(MEGATRON_VENV))
 	$(MEGATRON_VENV)/bin/pytest tests/trainer_worker/integrations/areal/megatron $(PYTEST_ARGS) \
 		$(call pruned,$(MEGATRON_VENV))
 
@@ -244,7 +252,8 @@ $(SKYRL_VENV)/.installed: pyproject.toml docs/frameworks/skyrl.md $(SKYRL_INSTAL
 # The worker against stock SkyRL on 1 and 2 gloo ranks (2 to 6 minutes), SkyRL's own
 # main_base launch on CPU: 3 steps, a SIGKILL after step 2 and the resume, the refusals
 # (7 to 12 minutes on 2 shared cores), and the bench on a small workload.
-test-skyrl: $(SKYRL_VENV)/.installed
+test-skyrl:
+	$(call venv_of,$(SKYRL_VENV))
 	$(SKYRL_VENV)/bin/pytest tests/trainer_worker/integrations/skyrl $(PYTEST_ARGS) $(call pruned,$(SKYRL_VENV))
 
 # The test matrix: the core suite (wire contract, coordinator, client, reduction
@@ -278,10 +287,12 @@ CORE_IGNORE := --ignore=tests/server/reliability
 	.venv-$*/bin/python -m pip check
 	touch $@
 
-test-floor: .venv-floor/.installed
+test-floor:
+	$(call venv_of,.venv-floor)
 	.venv-floor/bin/pytest $(CORE_TESTS) $(CORE_IGNORE) $(PYTEST_ARGS) $(call pruned,.venv-floor)
 
-test-ceiling: .venv-ceiling/.installed
+test-ceiling:
+	$(call venv_of,.venv-ceiling)
 	.venv-ceiling/bin/pytest $(CORE_TESTS) $(CORE_IGNORE) \
 		--deselect tests/test_proto_binding.py::test_committed_binding_matches_regenerated $(PYTEST_ARGS) \
 		$(call pruned,.venv-ceiling)
