@@ -13,6 +13,7 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,15 +333,23 @@ def _megatron_installed() -> bool:
         return False
 
 
-FRAMEWORK_E2E_KEYS = (
-    "e2e_trl",
-    "e2e_verl",
-    "e2e_verl_megatron",
-    "e2e_verl_statistics",
-    "e2e_verl_main_ppo",
-    "e2e_areal",
-    "e2e_skyrl",
-)
+def _framework_steps() -> tuple[tuple[str, str, Callable[[], object]], ...]:
+    # (payload key, what is compared, the run): run_frameworks_e2e's order.
+    return (
+        ("e2e_trl", "a TRL GRPO step, lossreduce normalizers vs TRL's dapo", run_trl_e2e),
+        ("e2e_verl", "a verl actor step, lossreduce normalizers vs verl's token-mean", run_verl_e2e),
+        ("e2e_verl_megatron", "a verl Megatron actor step, lossreduce vs verl's token-mean",
+         run_verl_megatron_e2e),
+        ("e2e_verl_statistics", "verl's kl_cov, its statistic over the mini-batch vs per call",
+         run_verl_statistics_e2e),
+        ("e2e_verl_main_ppo", "verl main_ppo, the lossreduce trainer mode vs stock",
+         run_verl_main_ppo_e2e),
+        ("e2e_areal", "AReaL's PPO update, LossReduce actor vs AReaL's own", run_areal_e2e),
+        ("e2e_skyrl", "a SkyRL policy update, lossreduce vs SkyRL's token_mean", run_skyrl_e2e),
+    )  # fmt: skip
+
+
+FRAMEWORK_E2E_KEYS = tuple(key for key, _, _ in _framework_steps())
 """The bench payload's keys for :func:`run_frameworks_e2e`'s results (None: not run)."""
 
 
@@ -349,19 +358,9 @@ def run_frameworks_e2e(main_ppo: bool) -> dict[str, object]:
     installed (None, said in one line, where not); ``main_ppo``: verl's whole
     ``main_ppo`` step too. Keyed by :data:`FRAMEWORK_E2E_KEYS`."""
     out: dict[str, object] = dict.fromkeys(FRAMEWORK_E2E_KEYS)
-    print("end to end: a TRL GRPO step, lossreduce normalizers vs TRL's dapo", flush=True)
-    out["e2e_trl"] = run_trl_e2e()
-    print("end to end: a verl actor step, lossreduce normalizers vs verl's token-mean", flush=True)
-    out["e2e_verl"] = run_verl_e2e()
-    print("end to end: a verl Megatron actor step, lossreduce vs verl's token-mean", flush=True)
-    out["e2e_verl_megatron"] = run_verl_megatron_e2e()
-    print("end to end: verl's kl_cov, its statistic over the mini-batch vs per call", flush=True)
-    out["e2e_verl_statistics"] = run_verl_statistics_e2e()
-    if main_ppo:
-        print("end to end: verl main_ppo, the lossreduce trainer mode vs stock", flush=True)
-        out["e2e_verl_main_ppo"] = run_verl_main_ppo_e2e()
-    print("end to end: AReaL's PPO update, LossReduce actor vs AReaL's own", flush=True)
-    out["e2e_areal"] = run_areal_e2e()
-    print("end to end: a SkyRL policy update, lossreduce vs SkyRL's token_mean", flush=True)
-    out["e2e_skyrl"] = run_skyrl_e2e()
+    for key, what, run in _framework_steps():
+        if key == "e2e_verl_main_ppo" and not main_ppo:
+            continue
+        print(f"end to end: {what}", flush=True)
+        out[key] = run()
     return out
