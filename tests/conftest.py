@@ -16,6 +16,10 @@
 
 A run that leaves no thread but the main one ends with its own exit status without
 the interpreter's teardown (:func:`pytest_unconfigure`).
+
+A test marked ``extended`` repeats, for the same framework, what another check of
+``make test`` already shows (a second kill-and-resume variant of a launch): it is
+skipped, saying so, unless ``LOSSREDUCE_EXTENDED=1`` (``make test-all``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,29 @@ from tests.ray_support import GCS_PORT_WAIT_S
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
 
 CoordinatorFactory = Callable[..., CoordinatorThread]
+
+EXTENDED = "LOSSREDUCE_EXTENDED"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "extended: repeats, for the same framework, what another check of `make test` "
+        f"shows; runs with {EXTENDED}=1 (`make test-all`)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(EXTENDED) == "1":
+        return
+    skip = pytest.mark.skip(
+        reason="repeats what another check of `make test` shows: `make test-all` runs it "
+        "(docs/development.md, What `make test-all` adds)"
+    )
+    for item in items:
+        if item.get_closest_marker("extended") is not None:
+            item.add_marker(skip)
+
 
 TEST_SETTINGS: dict[str, Any] = {
     "host": "127.0.0.1",

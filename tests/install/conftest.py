@@ -1,8 +1,10 @@
-"""tests/install: pip's resolutions of the framework stacks (``stacks.py``), opt-in only.
+"""tests/install: pip's resolutions of the framework stacks (``stacks.py``).
 
-They resolve against the package index (network, minutes), so the main ``pytest`` run
-skips them, saying how to run them; ``LOSSREDUCE_RESOLUTION=1`` opts in (``make
-test-resolve``). Every test here carries the ``resolution`` marker.
+The tests that resolve live (those using the ``resolutions`` fixture:
+``test_resolution.py``) wait on the package index (network, minutes), so a run skips
+them, saying how to run them, unless ``LOSSREDUCE_RESOLUTION=1`` opts in (``make
+test-resolve``); they carry the ``resolution`` marker. The check of the committed record
+(``test_resolution_report.py``: seconds, offline) always runs.
 
 ``resolutions`` (session): every stack and fact the session selected, resolved once,
 :data:`JOBS` at a time; the table of ``stacks.py`` is printed at the end of the run.
@@ -11,6 +13,7 @@ test-resolve``). Every test here carries the ``resolution`` marker.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,11 @@ Results = tuple[
 RESULTS = pytest.StashKey[Results]()
 
 
+def param_id(entry: stacks.Stack | stacks.Unresolvable) -> str:
+    """A test id for a stack or fact (``verl-vllm-py3.11``): no brackets for ``-k``."""
+    return re.sub(r"\W+", "-", entry.name).strip("-") + f"-py{entry.python}"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -42,7 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         f"`make test-resolve` or `{OPT_IN}=1 .venv/bin/pytest tests/install`"
     )
     for item in items:
-        if HERE in item.path.parents:
+        if HERE in item.path.parents and "resolutions" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.resolution)
             if os.environ.get(OPT_IN) != "1":
                 item.add_marker(skip)

@@ -20,7 +20,10 @@ against the index as a user's pip does. The resolutions are mostly waiting on th
 network: ``--jobs`` (default 2) of them run at a time.
 
 Stdlib only: it runs from any Python 3.10+ (``python tests/install/stacks.py``), and
-``tests/install/test_resolution.py`` runs it under pytest (``make test-resolve``).
+``tests/install/test_resolution.py`` runs it under pytest (``make test-resolve``). What it
+found is committed in ``tests/install/resolutions.json`` with a hash of its inputs (this
+file among them), which the main test run checks without the network; rewrite it with
+``python -m tests.install.resolution_report`` (``tests/install/resolution_report.py``).
 """
 
 from __future__ import annotations

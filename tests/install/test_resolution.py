@@ -6,57 +6,40 @@ installs lossreduce, and every watched package the stack has (torch, protobuf,
 transformers, vllm, sglang, ray) keeps the version the stack picked. The installs of
 :data:`~tests.install.stacks.UNRESOLVABLE` fail even alone, for the reason recorded.
 
-Opt-in (network, minutes): ``make test-resolve`` (tests/install/conftest.py).
+Opt-in (network, minutes): ``make test-resolve`` (tests/install/conftest.py). The checks
+are ``resolution_report``'s: the main run applies them to the committed outcome
+(``resolutions.json``, ``test_resolution_report.py``) instead of resolving.
 """
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from tests.install import stacks
-from tests.install.conftest import Results
+from tests.install.conftest import Results, param_id
+from tests.install.resolution_report import fact_problems, side, stack_problems, stack_record
 
 pytestmark = [pytest.mark.resolution, pytest.mark.timeout(3600)]
 
 
-def _id(entry: stacks.Stack | stacks.Unresolvable) -> str:
-    return re.sub(r"\W+", "-", entry.name).strip("-") + f"-py{entry.python}"
+def _fail_on(problems: list[str], *results: stacks.Resolution | stacks.Failure) -> None:
+    """Fails the test with ``problems`` and pip's last lines of every failed resolution."""
+    if problems:
+        errors = [str(r.error) for r in results if isinstance(r, stacks.Failure)]
+        pytest.fail("\n".join([*problems, *errors]), pytrace=False)
 
 
-def _outcome(results: Results, stack: stacks.Stack) -> stacks.Outcome:
-    (outcome,) = [o for o in results[0] if o.stack == stack]
-    return outcome
-
-
-@pytest.mark.parametrize("stack", stacks.STACKS, ids=_id)
+@pytest.mark.parametrize("stack", stacks.STACKS, ids=param_id)
 def test_lossreduce_installs_into_the_stack_unchanged(
     stack: stacks.Stack, resolutions: Results
 ) -> None:
-    outcome = _outcome(resolutions, stack)
-    for result in (outcome.alone, outcome.together):
-        if isinstance(result, stacks.Failure):
-            pytest.fail(str(result.error), pytrace=False)
-    assert isinstance(outcome.alone, stacks.Resolution)
-    assert isinstance(outcome.together, stacks.Resolution)
-    alone, together = outcome.alone.versions, outcome.together.versions
-    assert "lossreduce" in together, (
-        f"{stack.id}: lossreduce[{stack.extra}] did not put lossreduce in the install list"
-    )
-    assert "lossreduce" not in alone
-    watched_alone = {name: alone[name] for name in stacks.WATCHED if name in alone}
-    watched_together = {name: together.get(name) for name in watched_alone}
-    assert watched_together == watched_alone, f"{stack.id}: {outcome.verdict}"
-    assert "torch" in watched_alone, f"{stack.id}: the stack resolved without torch"
+    (outcome,) = [o for o in resolutions[0] if o.stack == stack]
+    _fail_on(stack_problems(stack, stack_record(outcome)), outcome.alone, outcome.together)
 
 
-@pytest.mark.parametrize("fact", stacks.UNRESOLVABLE, ids=_id)
+@pytest.mark.parametrize("fact", stacks.UNRESOLVABLE, ids=param_id)
 def test_the_install_does_not_resolve_even_alone(
     fact: stacks.Unresolvable, resolutions: Results
 ) -> None:
     (result,) = [r for u, r in resolutions[1] if u == fact]
-    assert isinstance(result, stacks.Failure), (
-        f"{fact.id}: {' '.join(fact.specs)} resolves now: move it to STACKS"
-    )
-    assert fact.expect in result.error.output, str(result.error)
+    _fail_on(fact_problems(fact, side(result)), result)

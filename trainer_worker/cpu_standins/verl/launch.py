@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHAT_TOKENS",
+    "CPU_ACTOR_COUNTS",
     "CPU_LAUNCH_ENV",
     "EOS",
     "LOSSREDUCE",
@@ -84,6 +85,22 @@ GRPO's advantages, and with them the first update, are not all zero). verl decod
 with ``skip_special_tokens``, which joins the word-level tokens without spaces."""
 PROMPTS = 8
 STEPS = 3
+
+CPU_ACTOR_COUNTS = [
+    # Each of verl's helper actors is a Ray worker process that imports verl and torch
+    # (about 0.45 GB): its defaults, sized for a GPU node, start 8 TransferQueue storage
+    # units (transfer_queue/storage/bootstrap/simple_storage_bootstrap.py) and 8 reward-loop
+    # workers (verl/experimental/reward_loop/reward_loop.py): 29 ray:: processes and a
+    # 12.8 GB peak (summed PSS) for one launch, which tripped Ray's memory monitor with two
+    # launches at once on a 24 GB machine; with one of each, 15 and 6.4 GB, and about half
+    # the wall time (72 s, not 150 s, on 2 cores). One of each serves a 4-prompt batch on 2 ranks; no number depends on the
+    # count (a unit stores what the controller indexes; the rule reward scores each
+    # response alone).
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    "reward.num_workers=1",
+]
+"""The CPU launch's counts of verl's helper actors, the least a 2-rank launch needs (the
+agent loop's, ``actor_rollout_ref.rollout.agent.num_workers=1``, is set for any launch)."""
 
 
 def tokenizer(*, chat: bool = False) -> PreTrainedTokenizerFast:
@@ -273,6 +290,7 @@ def overrides(
             # A Ray of its own even where another runs on the machine (ray.init() alone
             # would join the newest local cluster, and then refuse num_cpus).
             "+ray_kwargs.ray_init.address=local",
+            *CPU_ACTOR_COUNTS,
         ]
     )
 

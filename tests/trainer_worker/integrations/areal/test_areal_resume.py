@@ -173,7 +173,12 @@ def with_torch(policy: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     return _killed_and_resumed(policy, tmp_path_factory.mktemp("killed-torch"), {})
 
 
-BACKENDS = ("with_coordinator", "with_torch")
+BACKENDS = (
+    "with_coordinator",
+    # The same kill and relaunch over torch.distributed: a second variant of what
+    # with_coordinator shows (two launches), run by `make test-all`.
+    pytest.param("with_torch", marks=pytest.mark.extended),
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

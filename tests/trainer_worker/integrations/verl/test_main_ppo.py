@@ -8,7 +8,7 @@ rollout, seeded per request).
 
 The A/B pair against stock ``main_ppo`` is ``test_main_ppo_ab.py``.
 
-One launch, about 2.5 minutes on 2 cores (most of it Ray and verl starting).
+One launch, 1 to 2 minutes on 2 cores (most of it Ray and verl starting).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ round differently in every bfloat16 matmul of the backward, and bfloat16 runs on
 CPU differ run to run by about as much (6.5e-5 in the gradient norm, either side).
 In float32 they agree to 1e-7 (the gradient norms were identical where measured).
 
-Two launches, about 2.3 minutes each on 2 cores; the lossreduce one (conftest's
+Two launches, 1 to 2 minutes each on 2 cores; the lossreduce one (conftest's
 ``token_mean_float32``, 3 steps) is shared with ``test_main_ppo_resume.py``.
 """
 

@@ -10,7 +10,7 @@
   job's own coordinator actor, group ``actor.stats``).
 
 3 steps each, 2 mini-batches a step, on 2 gloo ranks, everything verl's own but the CPU
-rollout. About 2.5 minutes a launch on 2 cores.
+rollout. 1 to 1.5 minutes a launch on 2 cores.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Both kinds of coordinator:
   Ray job and the actor with it, its journal stays behind, and the resumed launch
   starts a coordinator of its own under a job of its own.
 
-Four launches of its own and a fifth refused at its start-up, each about 2 to 3 minutes
+Four launches of its own and a fifth refused at its start-up, each 1 to 2 minutes
 on 2 cores; the uninterrupted run is conftest's ``token_mean_float32``, the A/B's
 lossreduce side.
 """
