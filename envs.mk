@@ -1,8 +1,8 @@
 # The test environments of the framework lanes and the matrix cells (included by the
 # Makefile). Each lives outside the clone, in $(ENV_ROOT)/<name>.<key>, where <key>
-# (tests/env_key.py) hashes everything its build reads: this file, pyproject.toml, its
-# constraints, the scripts the build runs, the framework page's install block and the
-# interpreter's version. A clone whose inputs match finds its environments built (a
+# (tests/env_key.py) hashes everything its build reads: this file's recipes (not its
+# comments), pyproject.toml's install tables, its constraints, the scripts the build runs,
+# the framework page's install block and the interpreter's version. A clone whose inputs match finds its environments built (a
 # second clone, CI after a session, a branch that touched no input); a change of any input
 # builds that environment anew under its new key and removes the old one. `make
 # clean-envs` removes them all. Each recipe ends by hard-linking identical files across
