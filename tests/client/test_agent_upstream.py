@@ -28,6 +28,7 @@ from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
 from tests.client.test_agent import run
 from tests.server.test_tls import Authority, Issued
+from tests.tcp_proxy import TcpProxy
 
 JOB, GROUP = "agent-up", "actor"
 CONTRACTS = {"n": "mean:token_mean"}
@@ -79,53 +80,6 @@ async def arrived(target: str, step: int, ranks: set[int]) -> None:
             await asyncio.sleep(0.01)
 
 
-class CuttableProxy:
-    """A TCP forwarder whose open connections can be cut while it keeps accepting
-    new ones: what a node sees when its link to the coordinator drops and recovers."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.port = 0
-        self.accepted = 0
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-        self._pumps: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accepted += 1
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self._writers += [writer, up_writer]
-        for pump in (self._pump(reader, up_writer), self._pump(up_reader, writer)):
-            task = asyncio.create_task(pump)
-            self._pumps.add(task)
-            task.add_done_callback(self._pumps.discard)
-
-    @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    def cut(self) -> None:
-        """Close every connection open now; later ones pass again."""
-        writers, self._writers = self._writers, []
-        for writer in writers:
-            writer.transport.abort()
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        self.cut()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-        await self._server.wait_closed()
-
-
 @pytest.mark.parametrize("coordinator", [{"round_timeout_s": 60.0}], indirect=True)
 def test_a_broken_upstream_is_reopened_and_no_decided_round_is_lost(coordinator):
     """Agent A (ranks 0, 1) reaches the coordinator through a proxy; its round is
@@ -134,7 +88,7 @@ def test_a_broken_upstream_is_reopened_and_no_decided_round_is_lost(coordinator)
     outcome: every rank gets the same normalizers, counted once."""
 
     async def main() -> tuple[list[Any], float, int]:
-        proxy = CuttableProxy(coordinator.port)
+        proxy = TcpProxy(coordinator.port)
         await proxy.start()
         a = NodeAgent(f"127.0.0.1:{proxy.port}", settings=agent_settings((0, 1)))
         b = NodeAgent(coordinator.target, settings=agent_settings((2, 3)))

@@ -25,6 +25,7 @@ from lossreduce.client import (
 from lossreduce.server import CoordinatorSettings
 from lossreduce.v2 import coordinator_pb2 as pb
 from lossreduce.v2 import coordinator_pb2_grpc as pb_grpc
+from tests.tcp_proxy import TcpProxy
 
 _RANK_PROCESS = textwrap.dedent(
     """
@@ -201,96 +202,11 @@ def test_sigterm_under_load_leaves_no_round_half_answered(
 # -- dead connections ---------------------------------------------------------------------
 
 
-class FreezableProxy:
-    """A TCP forwarder that can stop passing bytes while keeping both sockets open.
-
-    A frozen proxy is what a dead peer looks like from the other side: the
-    connection stays up, nothing answers, not even HTTP/2 pings.
-    """
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.frozen = asyncio.Event()
-        self.upstream_closed = asyncio.Event()
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._closing = asyncio.Event()
-        self.port = 0
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    def _accept(self, down_reader: asyncio.StreamReader, down_writer: asyncio.StreamWriter) -> None:
-        # Synchronous, so every accepted connection is known the moment it exists: a
-        # coroutine callback becomes a task, and one that asyncio.run cancels before its
-        # first step leaves its transport open (a ResourceWarning in a later test).
-        self._writers.append(down_writer)
-        if self._closing.is_set():
-            down_writer.close()
-            return
-        self._tasks.append(asyncio.create_task(self._connect(down_reader, down_writer)))
-
-    async def _connect(
-        self, down_reader: asyncio.StreamReader, down_writer: asyncio.StreamWriter
-    ) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            down_writer.close()
-            return
-        self._writers.append(up_writer)
-        if self._closing.is_set():  # closed while connecting upstream
-            up_writer.close()
-            down_writer.close()
-            return
-        self._tasks += [
-            asyncio.create_task(self._pump(down_reader, up_writer, None)),
-            asyncio.create_task(self._pump(up_reader, down_writer, self.upstream_closed)),
-        ]
-
-    async def _pump(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        closed: asyncio.Event | None,
-    ) -> None:
-        try:
-            while data := await reader.read(65536):
-                if self.frozen.is_set():
-                    continue  # swallowed: the peer behind us looks dead
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            if closed is not None:
-                closed.set()
-            writer.close()
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._closing.set()
-        self._server.close()
-        await self._server.wait_closed()
-        for writer in self._writers:
-            writer.close()
-        # Connects still under way finish (and see the flag); their pumps end on the close.
-        while pending := [t for t in self._tasks if not t.done()]:
-            await asyncio.gather(*pending, return_exceptions=True)
-        for writer in self._writers:
-            writer.close()
-        for writer in self._writers:
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-
 def test_server_keepalive_closes_a_dead_client_connection(coordinator_factory: Any) -> None:
     coord = coordinator_factory(keepalive_time_s=0.5, keepalive_timeout_s=0.5, round_timeout_s=60)
 
     async def main() -> None:
-        proxy = FreezableProxy(coord.port)
+        proxy = TcpProxy(coord.port)
         await proxy.start()
         # The client never pings on its own (long keepalive): only the server can notice.
         client = _client(f"127.0.0.1:{proxy.port}", "dead-link", 0, 2, keepalive_time_s=3600.0)
@@ -312,7 +228,7 @@ def test_client_keepalive_gives_up_on_a_dead_coordinator(coordinator_factory: An
     coord = coordinator_factory(keepalive_min_ping_interval_s=0.1, round_timeout_s=60)
 
     async def main() -> None:
-        proxy = FreezableProxy(coord.port)
+        proxy = TcpProxy(coord.port)
         await proxy.start()
         client = _client(
             f"127.0.0.1:{proxy.port}",
