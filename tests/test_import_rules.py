@@ -275,3 +275,47 @@ def test_the_shared_train_job_never_names_an_engine() -> None:
     assert violations(shared, engines, exactly=True) == []
     # The interface and the registry (which names packages as strings) import none.
     assert violations((f"{ENGINES}.base", f"{ENGINES}.registry"), engines) == []
+
+
+BACKENDS = ("LocalNormalizer", "TorchDistributedNormalizer", "CoordinatorNormalizer")
+"""The normalizer backends: only :mod:`~lossreduce.trainer_worker.normalizers`, one
+worker's rounds and the bench build them."""
+BUILDS_BACKENDS = (
+    "lossreduce.trainer_worker.normalizers",
+    f"{INTEGRATIONS}.worker_rounds",
+    BENCH,
+)
+
+
+def backends_built(source: str) -> set[str]:
+    """The backend classes ``source`` calls (by name or as an attribute)."""
+    called = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name in BACKENDS:
+                called.add(name)
+    return called
+
+
+def test_only_a_workers_rounds_build_a_normalizer_backend() -> None:
+    """Every worker (verl, AReaL, TRL, SkyRL, the torch engine) takes its backend from
+    :class:`~lossreduce.trainer_worker.integrations.worker_rounds.WorkerRounds`."""
+    built = {
+        _module_name(path): sorted(backends_built(path.read_text()))
+        for folder in PACKAGE_DIRS.values()
+        for path in folder.rglob("*.py")
+        if "_pb2" not in path.name
+    }
+    outside = {m: b for m, b in built.items() if b and not _within(m, BUILDS_BACKENDS)}
+    assert outside == {}
+    assert built[f"{INTEGRATIONS}.worker_rounds"] == sorted(BACKENDS)
+
+
+def test_the_backend_check_sees_a_call() -> None:
+    assert backends_built("x = n.LocalNormalizer(job='j')\nTorchDistributedNormalizer()") == {
+        "LocalNormalizer",
+        "TorchDistributedNormalizer",
+    }
+    assert backends_built("from m import LocalNormalizer") == set()

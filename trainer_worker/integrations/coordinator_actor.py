@@ -60,13 +60,16 @@ from lossreduce.trainer_worker.integrations.tls import ServerTls, make_run_tls
 
 __all__ = [
     "COORDINATOR_MAX_RESTARTS",
+    "COORDINATOR_NAMESPACE",
     "LOOPBACK",
     "ActorJournalSettings",
     "CoordinatorActor",
     "CoordinatorEndpoint",
     "CoordinatorHandle",
     "JoinedCoordinator",
+    "coordinator_actor_name",
     "default_journal",
+    "get_coordinator_actor",
     "join_coordinator_actor",
     "remove_journal",
     "start_coordinator_actor",
@@ -365,6 +368,23 @@ def sweep_journals(directory: Path, retention_s: float, now: float | None = None
     return removed
 
 
+COORDINATOR_NAMESPACE = "lossreduce"
+"""The Ray namespace of every coordinator actor: ranks that are each their own Ray driver
+(torchrun, accelerate) get an anonymous namespace each, and would start one actor apiece
+instead of meeting at the job's."""
+
+
+def coordinator_actor_name(job: str) -> str:
+    """The Ray actor name of ``job``'s coordinator (in :data:`COORDINATOR_NAMESPACE`)."""
+    return f"lossreduce-coordinator-{job}"
+
+
+def get_coordinator_actor(job: str) -> Any:
+    """A handle to ``job``'s running coordinator actor, whatever the caller's namespace
+    (``ValueError`` when none runs)."""
+    return ray.get_actor(coordinator_actor_name(job), namespace=COORDINATOR_NAMESPACE)
+
+
 def start_coordinator_actor(
     job: str,
     round_timeout_s: float,
@@ -404,7 +424,7 @@ def start_coordinator_actor(
         sweep_journals(journal_path.parent, keep_days * 86_400.0)
     else:
         journal_path = journal
-    name = f"lossreduce-coordinator-{job}"
+    name = coordinator_actor_name(job)
     node_id = ray.get_runtime_context().get_node_id()
     one_node = sum(1 for node in ray.nodes() if node.get("Alive")) == 1
     host = LOOPBACK if one_node else "0.0.0.0"
@@ -415,6 +435,7 @@ def start_coordinator_actor(
     actor_cls = ray.remote(CoordinatorActor)
     actor = actor_cls.options(
         name=name,
+        namespace=COORDINATOR_NAMESPACE,
         get_if_exists=get_if_exists,
         num_cpus=0,
         max_restarts=COORDINATOR_MAX_RESTARTS,
@@ -451,8 +472,9 @@ def join_coordinator_actor(
     Every rank of a job calls this; Ray's ``get_if_exists`` makes exactly one of
     them create the actor, and all of them read the same endpoint from it. The
     actor is not detached: it lives while the process that created it does and
-    some rank holds the returned handle, in the Ray namespace of the calling
-    job. It journals to ``journal_dir`` (default: the node's temp dir).
+    some rank holds the returned handle, in the Ray namespace
+    :data:`COORDINATOR_NAMESPACE` (so ranks that are Ray drivers of their own meet
+    too). It journals to ``journal_dir`` (default: the node's temp dir).
 
     The journal goes when the process that created the actor calls
     :meth:`JoinedCoordinator.close` or exits cleanly (normal exit, ``sys.exit``,

@@ -29,6 +29,7 @@ __all__ = [
     "ReductionSettings",
     "group_field",
     "job_field",
+    "ray_coordinator_field",
 ]
 
 NormalizerBackend = Literal["torch", "coordinator"]
@@ -44,6 +45,17 @@ def job_field(default: str) -> Any:
             "for every run; set (stable names on dashboards): taken as given, and the "
             "coordinator refuses a second run claiming it while the first is active."
         ),
+    )
+
+
+def ray_coordinator_field(who: str) -> Any:
+    """The ``coordinator`` field of settings whose ranks join the job's coordinator actor
+    on their Ray cluster when no address is given; ``who`` says which ranks, and how."""
+    return Field(
+        default=None,
+        description="HOST:PORT of a lossreduce coordinator (`lossreduce serve`). None with "
+        f"normalizer 'coordinator': {who} start or join the job's coordinator actor on "
+        "their Ray cluster, with a fresh token, over TLS when the cluster has several nodes.",
     )
 
 
@@ -148,8 +160,16 @@ class ReductionSettings(BaseSettings):
 
 class GRPOReductionSettings(ReductionSettings):
     """The reduction a TRL GRPO run uses instead of its ``loss_type`` normalization
-    (the torch backend sums over accelerate's process group)."""
+    (the torch backend sums over accelerate's process group; the coordinator backend
+    dials ``coordinator`` or, without one, the job's coordinator actor on the Ray
+    cluster every process is connected to)."""
 
+    joins_ray_coordinator: ClassVar[bool] = True
+
+    coordinator: str | None = ray_coordinator_field(
+        "the processes (each connected with ray.init before the trainer is built, which "
+        "refuses to start otherwise)"
+    )
     overlap: bool = Field(
         default=True,
         description=(

@@ -1,6 +1,11 @@
-"""One rank's lossreduce rounds inside a framework's training worker: the run, its claim,
-its normalizer backend, a round per mini-batch, and the round counter kept with the
+"""One rank's lossreduce rounds inside a training worker: the run, its claim, its
+normalizer backends, a round per mini-batch, and the round counter kept with the
 framework's checkpoint.
+
+The one place outside :mod:`lossreduce.trainer_worker.normalizers` that builds a
+normalizer backend: every framework's worker (verl's actor and critic on FSDP and
+Megatron, AReaL's actors, TRL's trainer, SkyRL's worker) and the built-in torch engine
+hold a :class:`WorkerRounds`.
 
 A framework worker (one data-parallel rank of the policy) owns one
 :class:`WorkerRounds` and tells it, through :class:`DataParallel`, who its peers
@@ -17,26 +22,41 @@ makes each mini-batch's round give every rank the same answer or the same error:
 - :meth:`WorkerRounds.claim` claims the (job, group) at the coordinator from the
   round the run sends first, before any rollout, so a launch another run holds
   stops at start-up; the worker keeps :attr:`WorkerRounds.round` with its checkpoint
-  (:func:`round_file`) so that a resumed run continues its rounds.
+  (:func:`round_file`, :meth:`WorkerRounds.saved` and :meth:`WorkerRounds.restore`)
+  so that a resumed run continues its rounds.
+- A worker with rounds besides its normalizers (verl's mini-batch statistics, AReaL's
+  global M2PO cut-off) names them by a *suffix*: group ``<round_group><suffix>``, a
+  backend of their own, the same job, run and peers.
+
+The backend follows the settings: ``torch`` sums over the data-parallel process group
+(the rank alone when the group has one rank), ``coordinator`` dials the configured
+address or else joins the job's coordinator actor on the process's Ray cluster.
 
 Imports no framework: the worker passes its process group in.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lossreduce.errors import EmptyNormalizerError, InvalidPartialError, RankContext
+from lossreduce.errors import (
+    EmptyNormalizerError,
+    InvalidPartialError,
+    LossReduceError,
+    RankContext,
+    format_terms,
+)
+from lossreduce.rules import check_partial
 from lossreduce.trainer_worker.integrations.run_identity import resolve_run
-from lossreduce.trainer_worker.integrations.settings import ReductionSettings
 from lossreduce.trainer_worker.normalizers import (
     CoordinatorNormalizer,
     GlobalNormalizer,
@@ -52,6 +72,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DataParallel",
+    "RoundSettings",
     "RunClaim",
     "WorkerRounds",
     "coordinator_client",
@@ -61,6 +82,34 @@ __all__ = [
     "round_file",
     "round_metrics",
 ]
+
+
+class RoundSettings(Protocol):
+    """What :class:`WorkerRounds` reads from a worker's settings (every framework's
+    :class:`~lossreduce.trainer_worker.integrations.settings.ReductionSettings` has it)."""
+
+    @property
+    def normalizer(self) -> str:
+        """``torch`` or ``coordinator``."""
+
+    @property
+    def coordinator(self) -> str | None:
+        """The coordinator's ``HOST:PORT``; None joins the job's Ray coordinator actor."""
+
+    @property
+    def client(self) -> ClientSettings:
+        """How the coordinator client calls."""
+
+    @property
+    def on_empty_step(self) -> str:
+        """``raise`` or ``skip``."""
+
+    @property
+    def run(self) -> str | None:
+        """The run as configured; None takes the launcher's or rank 0's draw."""
+
+    def job_of(self, run: str) -> str:
+        """The job the rounds of ``run`` carry."""
 
 
 @dataclass(frozen=True)
@@ -128,19 +177,25 @@ def round_metrics(
 
 class WorkerRounds:
     """The rounds of one data-parallel rank: ``settings`` name the backend and the job,
-    ``data_parallel`` (called once, when the backend is first needed) its peers."""
+    ``data_parallel`` (called once, when first needed) its peers, ``device`` (called when
+    the run id is drawn) where rank 0's draw is shared from (NCCL needs a CUDA tensor)."""
 
     def __init__(
-        self, settings: ReductionSettings, data_parallel: Callable[[], DataParallel]
+        self,
+        settings: RoundSettings,
+        data_parallel: Callable[[], DataParallel],
+        *,
+        device: Callable[[], Any] | None = None,
     ) -> None:
         self.settings = settings
         self._data_parallel = data_parallel
+        self._device = device
         self._dp: DataParallel | None = None
         self.round = 0
         """The next mini-batch's round (its step)."""
         self._identity: tuple[str, str] | None = None
-        self._normalizer: GlobalNormalizer | None = None
-        self._client: ReductionClient | None = None
+        self._normalizers: dict[str, GlobalNormalizer] = {}
+        self._clients: dict[str, ReductionClient] = {}
         self._joined: JoinedCoordinator | None = None
 
     @property
@@ -150,26 +205,47 @@ class WorkerRounds:
             self._dp = self._data_parallel()
         return self._dp
 
+    @property
+    def started(self) -> bool:
+        """Whether a backend was made (a claim or a round): the rounds' names are fixed."""
+        return bool(self._normalizers)
+
+    def group(self, suffix: str = "") -> str:
+        """The reduction group of the rounds named by ``suffix`` ('' for the normalizers)."""
+        return self.dp.round_group + suffix
+
     def identity(self) -> tuple[str, str]:
         """(run, job) of these rounds: the settings' run, else the launcher's, else rank
         0's draw shared over the default process group (every rank must call it)."""
         if self._identity is None:
-            run = resolve_run(self.settings.run)
+            device = None if self._device is None else self._device()
+            run = resolve_run(self.settings.run, device=device)
             self._identity = run, self.settings.job_of(run)
         return self._identity
 
-    def normalizer(self) -> GlobalNormalizer:
-        """The backend summing partials over the data-parallel group (made on first use)."""
-        if self._normalizer is None:
-            self._normalizer = self._make_normalizer()
-        return self._normalizer
+    @property
+    def job(self) -> str:
+        """The job these rounds carry (resolves the identity: every rank must call it)."""
+        return self.identity()[1]
+
+    def normalizer(self, suffix: str = "") -> GlobalNormalizer:
+        """The backend summing partials over the data-parallel group for the rounds of
+        ``suffix`` (made on first use)."""
+        if suffix not in self._normalizers:
+            self._normalizers[suffix] = self._make_normalizer(suffix)
+        return self._normalizers[suffix]
 
     def claim(self) -> RunClaim:
         """Claim the (job, group) from the round the run sends first (nothing to claim
         with the torch backend, which no other run reaches)."""
         run, job = self.identity()
         took_over = claim_run(self.normalizer(), self.round)
-        return RunClaim(run, job, self.dp.round_group, self.round, took_over)
+        return RunClaim(run, job, self.group(), self.round, took_over)
+
+    def advance_to(self, step: int) -> None:
+        """Number the next round at least ``step`` (a framework whose own counter says
+        where a recovered run stands, such as AReaL's weight version)."""
+        self.round = max(self.round, step)
 
     def next_step(self) -> int:
         """The round of the mini-batch about to be reduced; counts it."""
@@ -184,7 +260,7 @@ class WorkerRounds:
         partials: Mapping[str, Tensor],
         contracts: Mapping[str, str],
         bad: list[str],
-        poisoned_term: str,
+        poisoned: str | Sequence[str],
     ) -> dict[str, float] | None:
         """:func:`reduce_round` through this rank's backend."""
         return reduce_round(
@@ -193,44 +269,49 @@ class WorkerRounds:
             partials,
             contracts,
             bad=bad,
-            poisoned_term=poisoned_term,
+            poisoned=poisoned,
             on_empty_step=self.settings.on_empty_step,
             rank=self.dp.rank,
         )
 
+    def saved(self) -> str:
+        """The round counter as a checkpoint keeps it (:func:`round_file`)."""
+        return json.dumps({"round": self.round})
+
+    def restore(self, saved: str) -> None:
+        """Continue from a checkpoint's round counter (:meth:`saved`)."""
+        self.round = int(json.loads(saved)["round"])
+
     def close(self) -> None:
-        """Close the coordinator client, if any; the next round opens a new one."""
-        if self._client is not None:
-            self._client.close()
-        self._client = None
-        self._normalizer = None
+        """Close the coordinator clients, if any; the next round opens new ones."""
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        self._normalizers.clear()
 
     # -- the backend ----------------------------------------------------------------
 
-    def _make_normalizer(self) -> GlobalNormalizer:
+    def _make_normalizer(self, suffix: str) -> GlobalNormalizer:
         settings, dp = self.settings, self.dp
         run, job = self.identity()
+        group = self.group(suffix)
         if settings.normalizer == "coordinator":
             from lossreduce.client import ReductionClient
 
-            target, client = self._coordinator(job)
-            self._client = ReductionClient(
+            target, client, self._joined = coordinator_client(settings, job, self._joined)
+            self._clients[suffix] = ReductionClient(
                 target,
                 job=job,
-                group=dp.round_group,
+                group=group,
                 run=run,
                 rank=dp.rank,
                 world_size=dp.size,
                 settings=client,
             )
-            return CoordinatorNormalizer(self._client)
+            return CoordinatorNormalizer(self._clients[suffix])
         if dp.size == 1:
-            return LocalNormalizer(job=job, group=dp.round_group)
-        return TorchDistributedNormalizer(dp.group, job=job, group=dp.round_group)
-
-    def _coordinator(self, job: str) -> tuple[str, ClientSettings]:
-        target, client, self._joined = coordinator_client(self.settings, job, self._joined)
-        return target, client
+            return LocalNormalizer(job=job, group=group)
+        return TorchDistributedNormalizer(dp.group, job=job, group=group)
 
 
 def gather_rows(keys: list[str], tokens: Tensor, *, world: int, group: Any) -> StepRows:
@@ -261,48 +342,64 @@ def reduce_round(
     contracts: Mapping[str, str],
     *,
     bad: list[str],
-    poisoned_term: str,
+    poisoned: str | Sequence[str],
     on_empty_step: str,
     rank: int,
 ) -> dict[str, float] | None:
     """One mini-batch's global normalizers; None for a skipped empty mini-batch
-    (``on_empty_step='skip'``); or the round's error, the same on every rank. ``bad`` lists
-    this rank's bad inputs (:func:`~lossreduce.trainer_worker.step_rows.bad_inputs`): then
-    ``poisoned_term``'s partial is sent as NaN, so every peer aborts too instead of training
-    without this rank, and this rank's error names what was bad."""
+    (``on_empty_step='skip'``); or the round's error, the same on every rank.
+
+    ``bad`` lists what is wrong with this rank's inputs
+    (:func:`~lossreduce.trainer_worker.step_rows.bad_inputs`, a bad loss weight). Then
+    the ``poisoned`` terms' partials are sent as NaN (a partial already invalid goes as
+    it is, so the peers' error names that value): every peer aborts instead of training
+    without this rank, and this rank's error names what was bad and what it sent."""
     sent = dict(partials)
     if bad:
-        sent[poisoned_term] = torch.tensor(math.nan, dtype=torch.float64)
+        for term in [poisoned] if isinstance(poisoned, str) else poisoned:
+            value = sent.get(term)
+            if value is None or check_partial(float(value)) is None:
+                sent[term] = torch.tensor(math.nan, dtype=torch.float64, device=_device(value))
     try:
         totals = normalizer.reduce(step, sent, dict(contracts))
-    except InvalidPartialError as err:
-        if not bad:
-            raise
-        here = RankContext(err.job, err.group, step, rank)
-        raise here.error(
-            InvalidPartialError,
-            f"bad input at active tokens ({'; '.join(bad)}); no rank trains on this mini-batch",
-            terms=(poisoned_term,),
-            values=(math.nan,),
-        ) from err
     except EmptyNormalizerError:
+        if bad:
+            raise AssertionError("a round with a NaN partial was found empty") from None
         if on_empty_step == "raise":
             raise
         return None
+    except LossReduceError as err:
+        if not bad:
+            raise
+        terms = sorted(sent)
+        values = [float(sent[t]) for t in terms]
+        here = RankContext(err.job or "", err.group or "", step, rank)
+        raise here.error(
+            InvalidPartialError,
+            f"cannot train on this rank's mini-batch: {'; '.join(bad)}; sent "
+            f"{format_terms(terms, values)} so that no rank trains on it",
+            terms=terms,
+            values=values,
+        ) from err
+    if bad:
+        raise AssertionError("a round with a NaN partial returned normalizers")
     return {term: float(n) for term, n in totals.items()}
 
 
+def _device(value: Tensor | None) -> torch.device | None:
+    return None if value is None else value.device
+
+
 def coordinator_client(
-    settings: ReductionSettings, job: str, joined: JoinedCoordinator | None
+    settings: RoundSettings, job: str, joined: JoinedCoordinator | None
 ) -> tuple[str, ClientSettings, JoinedCoordinator | None]:
     """Where a rank's client dials and how: ``settings.coordinator`` with the configured
     client, or else ``job``'s coordinator actor on this Ray cluster (``joined``, or joined
     here: started unless a peer did first), with the actor's own token and CA. Returns the
     joined actor too, which the caller holds while it lives (Ray ends an actor nobody
     holds)."""
-    coordinator = getattr(settings, "coordinator", None)
-    if coordinator is not None:
-        return str(coordinator), settings.client, joined
+    if settings.coordinator is not None:
+        return settings.coordinator, settings.client, joined
     if joined is None:
         from lossreduce.trainer_worker.integrations.coordinator_actor import (
             join_coordinator_actor,

@@ -29,6 +29,7 @@ from lossreduce.ports import LOOPBACK
 from lossreduce.trainer_worker.integrations.coordinator_actor import (
     ActorJournalSettings,
     CoordinatorEndpoint,
+    get_coordinator_actor,
     join_coordinator_actor,
     start_coordinator_actor,
     sweep_journals,
@@ -173,7 +174,7 @@ def test_a_clean_exit_of_the_rank_that_created_the_actor_removes_its_journal(
     one_node: None, tmp_path: Path
 ) -> None:
     owner, _other, _ = _joined_with_a_round("journal-clean", tmp_path)
-    coordinator = ray.get_actor("lossreduce-coordinator-journal-clean")
+    coordinator = get_coordinator_actor("journal-clean")
     with contextlib.suppress(RayActorError):  # the call ends the process it runs in
         ray.get(owner.leave.remote(), timeout=60)
     _wait_dead(coordinator)  # not detached: it ends with its owner
@@ -203,14 +204,14 @@ def test_close_on_the_owner_stops_the_actor_and_removes_its_journal(
     ray.get(owner.close.remote(), timeout=120)
     assert _journals(tmp_path, "journal-close") == []
     with pytest.raises(ValueError, match="journal-close"):
-        ray.get_actor("lossreduce-coordinator-journal-close")
+        get_coordinator_actor("journal-close")
 
 
 def test_a_killed_owner_ends_the_actor_and_its_journal_goes_by_the_retention(
     one_node: None, tmp_path: Path
 ) -> None:
     _owner, _other, pid = _joined_with_a_round("journal-crash", tmp_path)
-    coordinator = ray.get_actor("lossreduce-coordinator-journal-crash")
+    coordinator = get_coordinator_actor("journal-crash")
     os.kill(pid, signal.SIGKILL)  # a crash: no exit handler runs in the owner
     _wait_dead(coordinator)
     time.sleep(1.0)  # let an ending actor's own cleanup finish first

@@ -32,6 +32,7 @@ from lossreduce.server import (
     RoundJournal,
 )
 from lossreduce.trainer_worker.integrations import coordinator_actor
+from lossreduce.trainer_worker.integrations.coordinator_actor import get_coordinator_actor
 from lossreduce.trainer_worker.integrations.tls import RunTls, make_run_tls
 from lossreduce.trainer_worker.train.agent_actor import agent_name
 from lossreduce.trainer_worker.train.driver import RunResult, run
@@ -77,7 +78,7 @@ def numbers(result: RunResult) -> list[tuple[int, dict[str, float], dict[str, fl
 
 
 def coordinator_of(job: str) -> Any:
-    return ray.get_actor(f"lossreduce-coordinator-{job}")
+    return get_coordinator_actor(job)
 
 
 def remote_rank(job: str) -> tuple[int, str]:

@@ -51,7 +51,6 @@ division.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,16 +59,7 @@ import torch.distributed as dist
 from areal.utils.data import concat_batch
 from torch import Tensor
 
-from lossreduce.errors import (
-    EmptyNormalizerError,
-    InvalidPartialError,
-    LossReduceError,
-    RankContext,
-    ReductionConfigError,
-    ReductionInputError,
-    format_terms,
-)
-from lossreduce.rules import check_partial
+from lossreduce.errors import ReductionConfigError, ReductionInputError
 from lossreduce.trainer_worker.integrations.areal.m2po import GROUP_SUFFIX as M2PO_GROUP_SUFFIX
 from lossreduce.trainer_worker.integrations.areal.m2po import (
     RoundPlace,
@@ -87,15 +77,8 @@ from lossreduce.trainer_worker.integrations.areal.plan import (
     token_weights,
 )
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
-from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
-from lossreduce.trainer_worker.normalizers import (
-    CoordinatorNormalizer,
-    GlobalNormalizer,
-    LocalNormalizer,
-    TorchDistributedNormalizer,
-    claim_run,
-)
+from lossreduce.trainer_worker.integrations.worker_rounds import DataParallel, WorkerRounds
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
 __all__ = ["LossReduceActorMixin", "refuse_unsupported"]
@@ -214,8 +197,9 @@ class LossReduceActorMixin:
 
     ``reduction`` defaults to :class:`ArealReductionSettings` read from the
     ``LOSSREDUCE_*`` environment. ``skipped_steps`` counts optimizer steps
-    skipped as empty (``on_empty_step='skip'``). Call :meth:`close_reduction`
-    (done by ``destroy``) to close the coordinator client.
+    skipped as empty (``on_empty_step='skip'``). :attr:`rounds` holds the run, its
+    claim, the normalizer backends and the round counter; ``destroy`` closes its
+    coordinator clients.
     """
 
     # What the AReaL engine provides (FSDPEngine, MegatronEngine, ArchonEngine).
@@ -234,12 +218,12 @@ class LossReduceActorMixin:
         self.reduction_settings = settings
         self.policy_reduction: PolicyGradientReduction = settings.reduction
         self.skipped_steps = 0
-        self._next_round = 0
-        self._identity: tuple[str, str] | None = None
-        self._normalizer: GlobalNormalizer | None = None
-        self._client: Any = None
-        self._m2po_normalizer: GlobalNormalizer | None = None
-        self._m2po_client: Any = None
+        # The run id is drawn at the first step, when every rank of the actor trains: rank
+        # 0's draw is shared from the engine's device (NCCL needs a CUDA tensor).
+        self.rounds = WorkerRounds(
+            settings, self._data_parallel, device=lambda: self._device(torch.device("cpu"))
+        )
+        """This rank's rounds: the run, the claim, the backends, the round counter."""
 
     # -- AReaL's entry points ------------------------------------------------------
 
@@ -257,7 +241,7 @@ class LossReduceActorMixin:
         batch = self._one_batch(input_)
         step = self._round_step()
         settings = self.reduction_settings
-        _, job = self.identity()
+        job = self.rounds.job
         if (
             "teacher_logp" in batch
             and self.policy_reduction.mode is not PolicyGradientMode.TOKEN_MEAN
@@ -311,39 +295,30 @@ class LossReduceActorMixin:
                 stats[f"lossreduce/normalizer/{term}"] = normalizers[term]
         return stats
 
-    def identity(self) -> tuple[str, str]:
-        """(run, job) of this actor's rounds, resolved at the first step: every rank of
-        the actor trains it, so rank 0's draw can be shared then."""
-        if self._identity is None:
-            settings = self.reduction_settings
-            run = resolve_run(settings.run, device=self._device(torch.device("cpu")))
-            self._identity = run, settings.job_of(run)
-        return self._identity
-
     def claim_rounds(self) -> bool:
         """Claim this run's (job, group) at the step its next round will carry, before
         any rollout: a launch that another run holds the job against raises
         :class:`~lossreduce.errors.RunConflictError` (naming the holder) here. A no-op
-        without a coordinator. True when this run took the claim over (a run resumed
+        with the torch backend. True when this run took the claim over (a run resumed
         past every round of the holder)."""
-        return claim_run(self.normalizer(), self._upcoming_round())
+        self._follow_version()
+        return self.rounds.claim().took_over
 
-    def _upcoming_round(self) -> int:
-        """The next round's step: within AReaL's weight version (which its trainer sets
+    def _follow_version(self) -> None:
+        """Number the next round within AReaL's weight version (which its trainer sets
         from the global step, and a recovered run restores), never below the last."""
         get_version = getattr(self, "get_version", None)
         version = int(get_version()) if get_version is not None else 0
-        return max(self._next_round, version * ROUNDS_PER_VERSION)
+        self.rounds.advance_to(version * ROUNDS_PER_VERSION)
 
     def _round_step(self) -> int:
-        """The next round's step (see :meth:`_upcoming_round`), now taken."""
-        step = self._upcoming_round()
-        self._next_round = step + 1
-        return step
+        """The next round's step (see :meth:`_follow_version`), now taken."""
+        self._follow_version()
+        return self.rounds.next_step()
 
     def destroy(self) -> None:
-        """AReaL's ``destroy``, closing the coordinator client first."""
-        self.close_reduction()
+        """AReaL's ``destroy``, closing the coordinator clients first."""
+        self.rounds.close()
         super().destroy()  # type: ignore[misc]
 
     @staticmethod
@@ -354,30 +329,18 @@ class LossReduceActorMixin:
             return batch
         return input_
 
-    # -- the normalizer ------------------------------------------------------------
+    # -- the ranks and their rounds ------------------------------------------------
 
-    def close_reduction(self) -> None:
-        """Close the coordinator clients, if any; the next step opens new ones."""
-        if self._client is not None:
-            self._client.close()
-        self._client = None
-        self._normalizer = None
-        if self._m2po_client is not None:
-            self._m2po_client.close()
-        self._m2po_client = None
-        self._m2po_normalizer = None
-
-    def normalizer(self) -> GlobalNormalizer:
-        """The backend summing partials over the data-parallel ranks (made on first use)."""
-        if self._normalizer is None:
-            self._normalizer = self._make_normalizer()
-        return self._normalizer
-
-    def _data_parallel(self) -> tuple[Any, int, int]:
-        """(group, rank, world size) the partials are summed over."""
+    def _data_parallel(self) -> DataParallel:
+        """The ranks the partials are summed over: the engine's data-parallel group."""
         engine: Any = self
         group = engine.data_parallel_group
-        return group, dist.get_rank(group), dist.get_world_size(group)
+        return DataParallel(
+            group=group,
+            rank=dist.get_rank(group),
+            size=dist.get_world_size(group),
+            round_group=self._reduction_group(),
+        )
 
     def _reduction_group(self) -> str:
         """This rank's reduction group: one per model-parallel index (they hold the same data)."""
@@ -403,90 +366,29 @@ class LossReduceActorMixin:
     def m2po_place(self) -> RoundPlace:
         """Where the global M2PO cut-off's rounds go: a backend of their own, in
         ``<group>.m2po`` (made on first use)."""
-        _, rank, world = self._data_parallel()
-        group = self._reduction_group() + M2PO_GROUP_SUFFIX
-        if self._m2po_normalizer is None:
-            self._m2po_normalizer = self._make_normalizer(M2PO_GROUP_SUFFIX)
-        return RoundPlace(self._m2po_normalizer, rank, world, self.identity()[1], group)
-
-    def _make_normalizer(self, suffix: str = "") -> GlobalNormalizer:
-        """The backend of the reduction group plus ``suffix`` ('' for the normalizers)."""
-        settings = self.reduction_settings
-        process_group, rank, world = self._data_parallel()
-        group = self._reduction_group() + suffix
-        if settings.normalizer == "coordinator":
-            from lossreduce.client import ReductionClient
-
-            assert settings.coordinator is not None  # the settings validator requires it
-            run, job = self.identity()
-            client = ReductionClient(
-                settings.coordinator,
-                job=job,
-                group=group,
-                run=run,
-                rank=rank,
-                world_size=world,
-                settings=settings.client,
-            )
-            if suffix:
-                self._m2po_client = client
-            else:
-                self._client = client
-            return CoordinatorNormalizer(client)
-        _, job = self.identity()
-        if world == 1:
-            return LocalNormalizer(job=job, group=group)
-        return TorchDistributedNormalizer(process_group, job=job, group=group)
+        dp = self.rounds.dp
+        return RoundPlace(
+            self.rounds.normalizer(M2PO_GROUP_SUFFIX),
+            dp.rank,
+            dp.size,
+            self.rounds.job,
+            self.rounds.group(M2PO_GROUP_SUFFIX),
+        )
 
     def _device(self, fallback: torch.device) -> torch.device:
         device = getattr(self, "device", None)
         return device if isinstance(device, torch.device) else fallback
 
     def _reduce(self, step: int, plan: BatchPlan, device: torch.device) -> dict[str, float] | None:
-        """The step's validated normalizers, None for a skipped empty step, or the
-        round's error (the same on every rank)."""
-        normalizer = self.normalizer()
+        """The step's round (:meth:`WorkerRounds.reduce`): its validated normalizers, None
+        for a skipped empty step, or its error, the same on every rank. A rank with bad
+        inputs sends every partial as NaN (one already invalid, a bad ``loss_weight_fn``
+        value, as it is, so the peers' error names that value) and raises what is wrong
+        with them. One call per step: ``lossreduce train --engine areal`` times it."""
         device = self._device(device)
-        if plan.problems:
-            return self._abort(normalizer, step, plan, device)
         partials = {
             t: torch.tensor(v, dtype=torch.float64, device=device) for t, v in plan.partials.items()
         }
-        try:
-            totals = normalizer.reduce(step, partials, plan.contracts)
-        except EmptyNormalizerError:
-            if self.reduction_settings.on_empty_step == "raise":
-                raise
-            return None
-        return {t: float(v) for t, v in totals.items()}
-
-    def _abort(
-        self, normalizer: GlobalNormalizer, step: int, plan: BatchPlan, device: torch.device
-    ) -> dict[str, float]:
-        """Take part in the round with invalid partials (the peers abort naming
-        this rank), then raise what is wrong with this rank's inputs.
-
-        A partial that is already invalid (a bad ``loss_weight_fn`` value) is
-        sent as it is, so the peers' error names that value; the rest are NaN.
-        """
-        poisoned = {
-            t: torch.tensor(
-                v if check_partial(v) is not None else math.nan, dtype=torch.float64, device=device
-            )
-            for t, v in plan.partials.items()
-        }
-        try:
-            normalizer.reduce(step, poisoned, plan.contracts)
-        except LossReduceError as answer:
-            _, rank, _ = self._data_parallel()
-            rnd = RankContext(self.identity()[1], self._reduction_group(), step, rank)
-            terms = sorted(plan.partials)
-            raise rnd.error(
-                InvalidPartialError,
-                f"cannot train on this rank's batch: {'; '.join(plan.problems)}; sent "
-                f"{format_terms(terms, [float(poisoned[t]) for t in terms])} so that no rank "
-                "runs backward for this step",
-                terms=terms,
-                values=[float(poisoned[t]) for t in terms],
-            ) from answer
-        raise AssertionError("a round with NaN partials returned normalizers")
+        return self.rounds.reduce(
+            step, partials, plan.contracts, bad=list(plan.problems), poisoned=sorted(plan.partials)
+        )

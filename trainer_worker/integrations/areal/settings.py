@@ -7,7 +7,7 @@ from the environment its launcher passes on. This module does not import AReaL.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -15,6 +15,7 @@ from lossreduce.trainer_worker.integrations.settings import (
     ReductionSettings,
     group_field,
     job_field,
+    ray_coordinator_field,
 )
 
 __all__ = ["ArealReductionSettings"]
@@ -28,6 +29,11 @@ class ArealReductionSettings(ReductionSettings):
     ``gconfig.max_new_tokens``. A skipped empty step reports ``update_successful=0``.
     """
 
+    joins_ray_coordinator: ClassVar[bool] = True
+
+    coordinator: str | None = ray_coordinator_field(
+        "the actor's ranks, run as Ray actors (AReaL's Ray scheduler, `lossreduce train --engine areal`) or connected with ray.init,"
+    )
     job: str = job_field("areal-ppo")
     group: str = group_field(
         "actor",

@@ -16,6 +16,7 @@ from lossreduce.trainer_worker.integrations.settings import (
     ReductionSettings,
     group_field,
     job_field,
+    ray_coordinator_field,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
@@ -48,13 +49,7 @@ class SkyRLReductionSettings(ReductionSettings):
 
     joins_ray_coordinator: ClassVar[bool] = True
 
-    coordinator: str | None = Field(
-        default=None,
-        description="HOST:PORT of a lossreduce coordinator (`lossreduce serve`). None with "
-        "normalizer 'coordinator': the policy workers start or join the job's coordinator "
-        "actor on their Ray cluster, with a fresh token, over TLS when the cluster has "
-        "several nodes.",
-    )
+    coordinator: str | None = ray_coordinator_field("the policy workers")
     kl_mode: PolicyGradientMode = _term_mode("KL")
     entropy_mode: PolicyGradientMode = _term_mode("entropy")
     job: str = job_field("skyrl-ppo")

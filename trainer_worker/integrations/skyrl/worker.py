@@ -34,7 +34,6 @@ checkpoint and ``load_checkpoint`` restores it.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from typing import Any
@@ -152,7 +151,7 @@ class LossReducePolicyWorker(FSDPPolicyWorkerBase):  # type: ignore[misc]
         super().save_checkpoint(ckpt_dir, tokenizer=tokenizer)
         path = round_file(ckpt_dir, dist.get_rank())
         with io.open_file(path, "w") as f:
-            f.write(json.dumps({"round": self.rounds.round}))
+            f.write(self.rounds.saved())
 
     def load_checkpoint(
         self,
@@ -164,7 +163,7 @@ class LossReducePolicyWorker(FSDPPolicyWorkerBase):  # type: ignore[misc]
         path = round_file(ckpt_dir, dist.get_rank())
         if io.exists(path):
             with io.open_file(path, "r") as f:
-                self.rounds.round = int(json.loads(f.read())["round"])
+                self.rounds.restore(f.read())
         return super().load_checkpoint(
             ckpt_dir,
             load_optimizer_states=load_optimizer_states,

@@ -1,6 +1,7 @@
 """What :class:`~lossreduce.trainer_worker.integrations.trl.LossReduceGRPOTrainer` supports:
 the TRL versions it was tested with, its loss terms, its reduction settings as validated
-from its ``reduction`` argument and ``LOSSREDUCE_*``, and the GRPOConfig options it refuses.
+from its ``reduction`` argument and ``LOSSREDUCE_*``, the GRPOConfig options it refuses,
+and the coordinator actor it refuses to reach outside a Ray cluster.
 
 Imports no TRL, so the version check can run before TRL's own modules load.
 """
@@ -13,6 +14,7 @@ from typing import Any
 from packaging.version import Version
 
 from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.run_identity import launcher_run
 from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
 from lossreduce.trainer_worker.integrations.settings_errors import validate_settings
 
@@ -25,6 +27,7 @@ __all__ = [
     "TRL_TESTED",
     "check_trl_version",
     "reduction_settings",
+    "refuse_coordinator_without_ray",
     "refuse_unsupported",
 ]
 
@@ -106,3 +109,34 @@ def refuse_unsupported(args: Any, settings: GRPOReductionSettings) -> None:
             job=settings.job,
             group=settings.group,
         )
+
+
+def refuse_coordinator_without_ray(settings: GRPOReductionSettings) -> None:
+    """Raise :class:`ReductionConfigError` when ``normalizer='coordinator'`` has no address
+    and this process is connected to no Ray cluster: its rounds would go to the job's
+    coordinator actor, which only a Ray cluster runs. Checked before TRL loads anything
+    (the run, unless set or the launcher's, is drawn later: the job then names it
+    ``<run>``)."""
+    if settings.normalizer != "coordinator" or settings.coordinator is not None:
+        return
+    try:
+        import ray
+    except ImportError:
+        connected, why = False, " (Ray is not installed here)"
+    else:
+        connected, why = ray.is_initialized(), ""
+    if connected:
+        return
+    run = settings.run or launcher_run()
+    job = settings.job_of(run or "<run>")
+    named = f"run {run!r}" if run else "run not drawn yet"
+    raise ReductionConfigError(
+        f"LossReduceGRPOTrainer (job {job!r}, {named}, group {settings.group!r}): "
+        "normalizer='coordinator' without a coordinator address sends the rounds to the "
+        "job's coordinator actor on this process's Ray cluster, but the process is not "
+        f"connected to one{why}; pass coordinator=HOST:PORT (LOSSREDUCE_COORDINATOR), or "
+        "connect every process to one Ray cluster (ray.init) before building the trainer",
+        job=job,
+        group=settings.group,
+        run=run or "",
+    )

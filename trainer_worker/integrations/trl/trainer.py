@@ -10,8 +10,9 @@ and gradient-accumulation micro-steps. This trainer keeps TRL's per-token loss
    before any backward, every process computes per-row weights and, for each
    optimizer step the batch feeds, one partial normalizer per term (policy
    gradient in ``mode``; the KL for ``beta > 0`` and the entropy bonus each as
-   their own ``token_mean`` term), and the normalizer backend (torch.distributed
-   or the lossreduce coordinator) sums and validates them once.
+   their own ``token_mean`` term), and the normalizer backend (torch.distributed,
+   or a lossreduce coordinator: at its address, or the job's coordinator actor on
+   the processes' Ray cluster) sums and validates them once.
 2. Each micro-step's loss is its share of the step's global loss,
    ``num_processes * sum(w_i * l * m) / N``, with gradient accumulation and
    the processes' gradient averaging accounted for, so the update of one
@@ -56,7 +57,6 @@ import torch
 from torch import Tensor
 
 from lossreduce.errors import ReductionConfigError
-from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
 from lossreduce.trainer_worker.integrations.trl.options import (
     CLIPPED,
@@ -65,16 +65,12 @@ from lossreduce.trainer_worker.integrations.trl.options import (
     POLICY_TERM,
     check_trl_version,
     reduction_settings,
+    refuse_coordinator_without_ray,
     refuse_unsupported,
 )
 from lossreduce.trainer_worker.integrations.trl.window import MicroStep, Window, loss_mask
-from lossreduce.trainer_worker.normalizers import (
-    CoordinatorNormalizer,
-    GlobalNormalizer,
-    LocalNormalizer,
-    ReadyHandle,
-    TorchDistributedNormalizer,
-)
+from lossreduce.trainer_worker.integrations.worker_rounds import DataParallel, WorkerRounds
+from lossreduce.trainer_worker.normalizers import GlobalNormalizer, ReadyHandle
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
 from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
 
@@ -116,9 +112,13 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
     ``reduction_job`` the job its rounds carry (``trl-grpo-<run>`` unless a job is
     set). Each optimizer step's round is numbered by TRL's ``state.global_step``, so
     a run resumed from a checkpoint continues where the checkpoint left off.
-    ``skipped_steps`` counts optimizer steps skipped as empty. The coordinator client (``normalizer='coordinator'``)
-    is closed when training ends; after a failed ``train()`` call
-    :meth:`close`.
+    ``skipped_steps`` counts optimizer steps skipped as empty. ``rounds`` is this
+    process's :class:`~lossreduce.trainer_worker.integrations.worker_rounds.WorkerRounds`
+    (its backend, over accelerate's processes). With ``normalizer='coordinator'`` the
+    rounds go to ``coordinator``, or without an address to the job's coordinator actor
+    on the Ray cluster the process is connected to (refused at construction when it is
+    connected to none). The coordinator client is closed when training ends; after a
+    failed ``train()`` call :meth:`close`.
     """
 
     # GRPOTrainer's attributes this class reads or swaps for one micro-step.
@@ -151,6 +151,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         self.reduction_settings = reduction_settings(reduction)
         if args is not None:
             refuse_unsupported(args, self.reduction_settings)
+        refuse_coordinator_without_ray(self.reduction_settings)
         super().__init__(
             model,
             reward_funcs,
@@ -168,12 +169,14 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             environment_factory=environment_factory,
         )
         refuse_unsupported(self.args, self.reduction_settings)
+        self.rounds = WorkerRounds(
+            self.reduction_settings,
+            self._data_parallel,
+            device=lambda: self.accelerator.device,
+        )
         # Every process builds the trainer at once, inside accelerate's process group:
         # rank 0's draw (when neither setting nor launcher names the run) is shared here.
-        self.reduction_run: str = resolve_run(
-            self.reduction_settings.run, device=self.accelerator.device
-        )
-        self.reduction_job: str = self.reduction_settings.job_of(self.reduction_run)
+        self.reduction_run, self.reduction_job = self.rounds.identity()
         if (
             self.reduction_settings.on_empty_step == "skip"
             and self.accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -187,38 +190,24 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             )
         self.policy_reduction: PolicyGradientReduction = self.reduction_settings.reduction
         self.skipped_steps = 0
-        self._normalizer: GlobalNormalizer | None = None
-        self._client: Any = None
         self._open_windows: list[Window] = []
         self.add_callback(_CloseClient(self))
 
     # -- the normalizer backend ------------------------------------------------------
 
+    def _data_parallel(self) -> DataParallel:
+        """accelerate's processes: each holds different completions and all reduce
+        together, over the default process group."""
+        return DataParallel(
+            group=None,
+            rank=self.accelerator.process_index,
+            size=self.accelerator.num_processes,
+            round_group=self.reduction_settings.group,
+        )
+
     def normalizer(self) -> GlobalNormalizer:
         """The backend summing partials over processes (made on first use)."""
-        if self._normalizer is None:
-            self._normalizer = self._make_normalizer()
-        return self._normalizer
-
-    def _make_normalizer(self) -> GlobalNormalizer:
-        settings = self.reduction_settings
-        if settings.normalizer == "coordinator":
-            from lossreduce.client import ReductionClient
-
-            assert settings.coordinator is not None  # the settings validator requires it
-            self._client = ReductionClient(
-                settings.coordinator,
-                job=self.reduction_job,
-                group=settings.group,
-                run=self.reduction_run,
-                rank=self.accelerator.process_index,
-                world_size=self.accelerator.num_processes,
-                settings=settings.client,
-            )
-            return CoordinatorNormalizer(self._client)
-        if self.accelerator.num_processes == 1:
-            return LocalNormalizer(job=self.reduction_job, group=settings.group)
-        return TorchDistributedNormalizer(job=self.reduction_job, group=settings.group)
+        return self.rounds.normalizer()
 
     def close(self) -> None:
         """Close the coordinator client, if any; the next step opens a new one.
@@ -226,10 +215,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         Rounds of the current generation batch still in flight end with it
         (ClientClosedError if a later ``train()`` call resumes inside that batch).
         """
-        if self._client is not None:
-            self._client.close()
-        self._client = None
-        self._normalizer = None
+        self.rounds.close()
         self._open_windows = []
 
     @property

@@ -147,14 +147,13 @@ class LossReduceCriticWorker(ReducingTrainingWorker):
     def use_reduction(self, block: dict[str, Any] | None) -> None:
         """Take the launch's settings (its ``actor_rollout_ref.lossreduce`` block, over
         ``LOSSREDUCE_*``) in place of those read at start-up, before the first round."""
-        if self._normalizers:
+        if self.rounds.started:
             raise_problems(
                 ["use_reduction after the first round: the rounds' names would change"],
                 self.reduction_settings,
                 "critic",
             )
-        self.reduction_settings = reduction_settings(block)
-        self._identity = None
+        self.use_settings(reduction_settings(block))
         if self._critic_config is not None:
             raise_problems(
                 critic_problems(self._critic_config, self.reduction_settings),

@@ -18,6 +18,7 @@ from lossreduce.trainer_worker.integrations.settings import (
     ReductionSettings,
     group_field,
     job_field,
+    ray_coordinator_field,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
@@ -37,12 +38,7 @@ class VerlReductionSettings(ReductionSettings):
 
     joins_ray_coordinator: ClassVar[bool] = True
 
-    coordinator: str | None = Field(
-        default=None,
-        description="HOST:PORT of a lossreduce coordinator (`lossreduce serve`). None with "
-        "normalizer 'coordinator': the ranks start or join the job's coordinator actor on "
-        "their Ray cluster, with a fresh token, over TLS when the cluster has several nodes.",
-    )
+    coordinator: str | None = ray_coordinator_field("the ranks")
     job: str = job_field("verl-ppo")
     group: str = group_field("actor", "Reduction group of the actor's rounds within the job.")
     statistics: StatisticsScope = Field(

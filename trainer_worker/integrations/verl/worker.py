@@ -202,7 +202,7 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
         rank, world = self.data_parallel()
         _, job = self.identity()
         place = StatsPlace(
-            self.normalizer(STATS_SUFFIX), step, rank, world, job, self._round_group(STATS_SUFFIX)
+            self.normalizer(STATS_SUFFIX), step, rank, world, job, self.rounds.group(STATS_SUFFIX)
         )
         old = zero_masked(padded(data["old_log_probs"]).cpu().to(log_prob.dtype), mask)
         if loss.statistic is Statistic.IMPORTANCE_MEAN:

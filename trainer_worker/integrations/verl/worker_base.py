@@ -11,7 +11,6 @@ and the critic (:class:`~.critic.LossReduceCriticWorker`) add their plan and los
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,34 +21,24 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 
 from lossreduce.errors import ReductionInputError
-from lossreduce.trainer_worker.integrations.run_identity import resolve_run
 from lossreduce.trainer_worker.integrations.verl.options import engine_problems, raise_problems
 from lossreduce.trainer_worker.integrations.verl.parallel import round_suffix
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 from lossreduce.trainer_worker.integrations.worker_rounds import (
+    DataParallel,
     RunClaim,
-    coordinator_client,
+    WorkerRounds,
     describe_claims,
     gather_rows,
-    reduce_round,
     round_metrics,
 )
 from lossreduce.trainer_worker.integrations.worker_rounds import round_file as _shared_round_file
-from lossreduce.trainer_worker.normalizers import (
-    CoordinatorNormalizer,
-    GlobalNormalizer,
-    LocalNormalizer,
-    TorchDistributedNormalizer,
-    claim_run,
-)
+from lossreduce.trainer_worker.normalizers import GlobalNormalizer
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 from lossreduce.trainer_worker.step_rows import StepRows
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-    from lossreduce.client import ClientSettings, ReductionClient
-    from lossreduce.trainer_worker.integrations.coordinator_actor import JoinedCoordinator
 
 __all__ = [
     "STATS_SUFFIX",
@@ -60,8 +49,8 @@ __all__ = [
 ]
 
 STATS_SUFFIX = ".stats"
-"""The mini-batch statistics reduce in a group of their own, ``<group>.stats``, with a
-round numbering of their own."""
+"""The mini-batch statistics reduce in a group of their own, ``<group>.stats`` (after
+the rank's position: ``actor.sp1.stats``), with a round numbering of their own."""
 
 
 class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
@@ -86,11 +75,8 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         raise_problems(engine_problems(self.engine_config, self.role), self.reduction_settings)
         self.skipped_steps = 0
         self.last_normalizers: dict[str, float] | None = None
-        self._round = 0
-        self._identity: tuple[str, str] | None = None
-        self._normalizers: dict[str, GlobalNormalizer] = {}
-        self._clients: dict[str, ReductionClient] = {}
-        self._joined: JoinedCoordinator | None = None
+        self.rounds = WorkerRounds(self.reduction_settings, self._data_parallel_group)
+        """This rank's rounds: the run, the claim, the backends, the round counter."""
 
     def base_group(self) -> str:
         """The group of this worker's rounds as configured (the actor's or the critic's)."""
@@ -99,17 +85,19 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
 
     # -- the run and its rounds -----------------------------------------------------
 
+    def use_settings(self, settings: VerlReductionSettings) -> None:
+        """Reduce under ``settings`` from now on (before the first round: the rounds'
+        names follow them); the round counter (a restored checkpoint's) is kept."""
+        kept = self.rounds.round
+        self.reduction_settings = settings
+        self.rounds = WorkerRounds(settings, self._data_parallel_group)
+        self.rounds.round = kept
+
     def identity(self) -> tuple[str, str]:
         """(run, job) of this worker's rounds, resolved at the claim (or else the first
-        mini-batch): every rank of the worker group calls both, so rank 0's draw can be
-        shared then."""
-        if self._identity is None:
-            settings = self.reduction_settings
-            # The whole worker group, not one sequence-parallel index's data-parallel
-            # group: every index must reduce under the same job.
-            run = resolve_run(settings.run)
-            self._identity = run, settings.job_of(run)
-        return self._identity
+        mini-batch) over the whole worker group, not one sequence-parallel index's
+        data-parallel group: every index must reduce under the same job."""
+        return self.rounds.identity()
 
     def claim(self) -> RunClaim:
         """Claim this worker group's (job, group) for its run, at the round it sends first
@@ -119,9 +107,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         instead of at its first mini-batch. A no-op but for the identity with the torch
         normalizer, which no other run can reach. Every rank calls it (the identity may be
         a collective)."""
-        run, job = self.identity()
-        took_over = claim_run(self.normalizer(), self._round)
-        return RunClaim(run, job, self._round_group(), self._round, took_over)
+        return self.rounds.claim()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
     def save_checkpoint(
@@ -134,7 +120,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         """verl's checkpoint, plus this rank's round counter: a run resumed from it
         continues its rounds where this one stood instead of numbering them from 0."""
         saved = super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
-        Path(_round_file(local_path)).write_text(json.dumps({"round": self._round}))
+        Path(_round_file(local_path)).write_text(self.rounds.saved())
         return saved
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
@@ -144,7 +130,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         """verl's checkpoint, and the round counter saved with it (if any)."""
         path = Path(_round_file(local_path))
         if path.is_file():
-            self._round = int(json.loads(path.read_text())["round"])
+            self.rounds.restore(path.read_text())
         return super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
 
     # -- the normalizer backends ------------------------------------------------------
@@ -152,57 +138,27 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
     def normalizer(self, suffix: str = "") -> GlobalNormalizer:
         """The backend summing partials over the data-parallel group, for the rounds of
         group ``<group><suffix>`` (made on first use)."""
-        if suffix not in self._normalizers:
-            self._normalizers[suffix] = self._make_normalizer(suffix)
-        return self._normalizers[suffix]
+        return self.rounds.normalizer(suffix)
 
     def data_parallel(self) -> tuple[int, int]:
         """(rank, world size) of this worker in its data-parallel group."""
         return self.engine.get_data_parallel_rank(), self.engine.get_data_parallel_size()
 
-    def _round_group(self, suffix: str = "") -> str:
-        # Ranks that hold the same rows (a Ulysses group, Megatron's model-parallel
-        # ranks): each position reduces over the data-parallel ranks in a round of its own.
-        return self.base_group() + suffix + round_suffix(self.engine)
-
-    def _make_normalizer(self, suffix: str) -> GlobalNormalizer:
-        settings = self.reduction_settings
+    def _data_parallel_group(self) -> DataParallel:
         rank, world = self.data_parallel()
-        if settings.normalizer == "coordinator":
-            from lossreduce.client import ReductionClient
-
-            target, client = self._coordinator()
-            run, job = self.identity()
-            self._clients[suffix] = ReductionClient(
-                target,
-                job=job,
-                group=self._round_group(suffix),
-                run=run,
-                rank=rank,
-                world_size=world,
-                settings=client,
-            )
-            return CoordinatorNormalizer(self._clients[suffix])
-        _, job = self.identity()
-        if world == 1:
-            return LocalNormalizer(job=job, group=self._round_group(suffix))
-        return TorchDistributedNormalizer(
-            self.engine.get_data_parallel_group(), job=job, group=self._round_group(suffix)
+        return DataParallel(
+            group=self.engine.get_data_parallel_group(),
+            rank=rank,
+            size=world,
+            # Ranks that hold the same rows (a Ulysses group, Megatron's model-parallel
+            # ranks): each position reduces over the data-parallel ranks in a round of
+            # its own.
+            round_group=self.base_group() + round_suffix(self.engine),
         )
-
-    def _coordinator(self) -> tuple[str, ClientSettings]:
-        """Where the clients dial and how (:func:`~..worker_rounds.coordinator_client`)."""
-        target, client, self._joined = coordinator_client(
-            self.reduction_settings, self.identity()[1], self._joined
-        )
-        return target, client
 
     def close(self) -> None:
         """Close the coordinator clients, if any; the next mini-batch opens new ones."""
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-        self._normalizers.clear()
+        self.rounds.close()
 
     # -- one mini-batch's round -------------------------------------------------------
 
@@ -228,10 +184,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
 
     def next_round(self) -> int:
         """The round of the mini-batch about to train (every mini-batch takes one)."""
-        self.identity()
-        step = self._round
-        self._round += 1
-        return step
+        return self.rounds.next_step()
 
     def reduce(
         self,
@@ -243,16 +196,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
     ) -> dict[str, float] | None:
         """The step's global normalizers; None for a skipped empty step; or the round's
         error, the same on every rank (:func:`~..worker_rounds.reduce_round`)."""
-        return reduce_round(
-            self.normalizer(),
-            step,
-            partials,
-            contracts,
-            bad=bad,
-            poisoned_term=poisoned,
-            on_empty_step=self.reduction_settings.on_empty_step,
-            rank=self.data_parallel()[0],
-        )
+        return self.rounds.reduce(step, partials, contracts, bad, poisoned)
 
     def skipped(self, data: Any) -> Any:
         """No forward, backward or optimizer step; the lr schedule still advances."""
@@ -261,7 +205,7 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
         if not self.engine.is_mp_src_rank_with_outputs():
             return None
         metrics: dict[str, Any] = {"loss": 0.0, "grad_norm": 0.0, "mfu": 0.0}
-        metrics.update(round_metrics(self._round - 1, {}, 0.0, skipped=True))
+        metrics.update(round_metrics(self.rounds.round - 1, {}, 0.0, skipped=True))
         if lr is not None:
             metrics["lr"] = lr
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})

@@ -67,6 +67,11 @@ BAD_WEIGHTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 """Rank 1's ``loss_weight_fn``, given AReaL's own (the active-token count)."""
 
+JOINED = "ray"
+"""``Case.coordinator`` of a case given no coordinator address: its ranks start or join
+the job's coordinator actor on their Ray cluster (:attr:`Job.ray_address`), and are
+refused outside one."""
+
 
 @dataclass(frozen=True)
 class Case:
@@ -85,7 +90,7 @@ class Case:
     on_empty_step: str = "raise"
     optimizer: str = "sgd"  # sgd, adamw (weight decay 0.1)
     prelude: int = 0  # real steps taken before the measured one
-    coordinator: str = ""
+    coordinator: str = ""  # HOST:PORT (with_coordinator sets it), or JOINED: no address
     # M2PO: actor.m2_threshold (with use_decoupled_loss=true), actor.prox_logp_method and
     # the reduction's m2po setting; None keeps M2PO off.
     m2_threshold: float | None = None
@@ -104,7 +109,7 @@ class Case:
         }
         if self.mode == "constant":
             out["divisor"] = DIVISOR
-        if self.normalizer == "coordinator":
+        if self.normalizer == "coordinator" and self.coordinator != JOINED:
             out["coordinator"] = self.coordinator
         if self.m2_threshold is not None:
             out["m2po"] = self.m2po
@@ -373,11 +378,27 @@ def run_case(case: Case, model_dir: str, world: int, rank: int) -> dict[str, Any
     try:
         for _ in range(case.prelude):
             actor.ppo_update(shard_data(world, rank))
-        return measure(
+        out = measure(
             actor, lambda: _update(actor, case, world, rank), full_params, optimizer_state
         )
+        if case.coordinator == JOINED and "error" not in out:
+            out["dialed"] = joined_targets(actor)
+        return out
     finally:
         actor.destroy()
+
+
+def joined_targets(actor: Any) -> tuple[str, str]:
+    """(where the actor's client dialed, where the job's coordinator actor on this Ray
+    cluster serves) after a step of a :data:`JOINED` case."""
+    import ray
+
+    dialed: str = actor.rounds.normalizer().client.target
+    from lossreduce.trainer_worker.integrations.coordinator_actor import get_coordinator_actor
+
+    coordinator = get_coordinator_actor(actor.rounds.job)
+    serves: str = ray.get(coordinator.target.remote(), timeout=60)
+    return dialed, serves
 
 
 def measure(
@@ -422,7 +443,7 @@ def run_exact_sum(model_dir: str, world: int, rank: int) -> dict[str, float]:
     actor = make_actor(Case("exact-sum"), model_dir, world)
     try:
         local = float(2**24 + 1) if rank == 0 else 1.0
-        ours = actor.normalizer().reduce(
+        ours = actor.rounds.normalizer().reduce(
             0, {"pg": torch.tensor(local, dtype=torch.float64)}, {"pg": "mean:token_mean"}
         )["pg"]
         mb_list = SimpleNamespace(mbs=[{"w": torch.tensor(int(local))}])
@@ -445,6 +466,9 @@ class Job:
     reference: bool = False
     exact_sum: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    ray_address: str | None = None
+    """A Ray cluster every rank joins first (:data:`JOINED` cases start or join the
+    job's coordinator actor on it)."""
 
 
 def run_rank(rank: int, job: Job) -> None:
@@ -463,6 +487,16 @@ def run_rank(rank: int, job: Job) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=job.world)
+    if job.ray_address is not None:
+        import ray
+
+        # Each rank a Ray driver in a namespace of its own, as under torchrun: the
+        # coordinator actor's own namespace makes them meet.
+        ray.init(
+            address=job.ray_address,
+            logging_level="ERROR",
+            log_to_driver=False,
+        )
     results: dict[str, Any] = {}
     try:
         for case in job.cases:
@@ -486,6 +520,10 @@ def run_rank(rank: int, job: Job) -> None:
         results["crash"] = traceback.format_exc()
     torch.save(results, Path(job.out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
+    if job.ray_address is not None:
+        import ray
+
+        ray.shutdown()
 
 
 def run(job: Job) -> list[dict[str, Any]]:
@@ -502,4 +540,10 @@ def run(job: Job) -> list[dict[str, Any]]:
 
 
 def with_coordinator(cases: list[Case], target: str) -> list[Case]:
-    return [replace(c, coordinator=target) if c.normalizer == "coordinator" else c for c in cases]
+    """``cases`` with the coordinator at ``target`` (but those that join the job's actor)."""
+    return [
+        replace(c, coordinator=target)
+        if c.normalizer == "coordinator" and c.coordinator != JOINED
+        else c
+        for c in cases
+    ]

@@ -12,7 +12,9 @@ actor from the same seed; one process per rank, one or two ranks
   the step silently (or raises a bare AssertionError); the LossReduce actor
   raises the same way on every rank, or skips everywhere, weights and
   optimizer state bit-identical;
-- a total above 2^24 stays exact, and the coordinator gives torch's update.
+- a total above 2^24 stays exact, and the coordinator gives torch's update, also the
+  job's coordinator actor that the ranks (Ray drivers of one local cluster on two ranks)
+  start or join without an address; outside Ray that backend asks for the address.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import ray
 
 from lossreduce.ports import free_port
+from tests.ray_support import local_ray
 from tests.trainer_worker.integrations.areal import actor_checks as checks
 from tests.trainer_worker.integrations.areal import areal_runs
 from tests.trainer_worker.integrations.areal.actor_checks import RankResults
 from tests.trainer_worker.integrations.areal.areal_runs import (
+    JOINED,
     MODES,
     ONE_PER_MB,
     SEVERAL_PER_MB,
@@ -75,10 +80,16 @@ def _cases(world: int, target: str) -> list[Case]:
     cases.append(Case("masked-odd", data="masked_odd", mode="prompt_mean"))
     if world == 1:
         cases += [Case(f"{mode}-several", mode=mode, max_tokens=SEVERAL_PER_MB) for mode in MODES]
+        # No address and no Ray cluster: refused at the first step.
+        cases.append(Case("unjoined", normalizer="coordinator", coordinator=JOINED))
         return cases
     cases.append(Case("prompt_mean-several", mode="prompt_mean", max_tokens=SEVERAL_PER_MB))
     for mode in ("token_mean", "prompt_mean"):
         cases.append(Case(f"coordinator-{mode}", mode=mode, normalizer="coordinator"))
+    # No address: the ranks, on one Ray cluster, start or join the job's coordinator actor.
+    cases.append(
+        Case("joined-prompt_mean", mode="prompt_mean", normalizer="coordinator", coordinator=JOINED)
+    )
     cases.append(
         Case(
             "coordinator-empty-skip",
@@ -99,8 +110,8 @@ def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -
     model_dir = areal_runs.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
     def run(world: int) -> RankResults:
-        return areal_runs.run(
-            Job(
+        def job(ray_address: str | None = None) -> Job:
+            return Job(
                 world,
                 _cases(world, coordinator_target),
                 str(model_dir),
@@ -108,8 +119,14 @@ def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -
                 free_port(),
                 reference=world == 1,
                 exact_sum=world == 2,
+                ray_address=ray_address,
             )
-        )
+
+        if world == 1:
+            return areal_runs.run(job())
+        # Two ranks join one local Ray cluster (the joined-coordinator case).
+        with local_ray():
+            return areal_runs.run(job(ray.get_runtime_context().gcs_address))
 
     return checks.cached_runs(run, Path(__file__).resolve().parents[4], "AReaL world")
 
@@ -232,6 +249,31 @@ def test_the_coordinator_gives_the_torch_backends_update_bit_for_bit(
     results: Results, mode: str
 ) -> None:
     checks.coordinator_matches_torch(results(2), f"coordinator-{mode}", f"{mode}-one")
+
+
+def test_without_an_address_the_ranks_reduce_through_the_jobs_coordinator_actor(
+    results: Results,
+) -> None:
+    """``normalizer='coordinator'`` and no address: the two ranks (Ray drivers of one
+    local cluster) start or join the job's coordinator actor, dial it with its fresh
+    token, and get the torch backend's normalizers and update bit for bit."""
+    two = results(2)
+    checks.coordinator_matches_torch(two, "joined-prompt_mean", "prompt_mean-one")
+    dialed = [rank["joined-prompt_mean"]["dialed"] for rank in two]
+    assert dialed[0] == dialed[1], dialed
+    client_target, actor_target = dialed[0]
+    assert client_target == actor_target, dialed
+
+
+def test_outside_ray_the_coordinator_backend_asks_for_an_address(results: Results) -> None:
+    """No address and no Ray cluster: the first step stops before any forward, naming the
+    job and the setting to give."""
+    result = results(1)[0]["unjoined"]
+    assert result["untouched"]
+    kind, message = result["error"]
+    assert kind == "UsageError", message
+    assert "job 'areal-unjoined'" in message, message
+    assert "pass coordinator=HOST:PORT (LOSSREDUCE_COORDINATOR)" in message, message
 
 
 def test_one_sequence_per_micro_batch_is_what_the_exact_tests_use() -> None:

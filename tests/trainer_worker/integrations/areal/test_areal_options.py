@@ -69,9 +69,13 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert got.on_empty_step == "skip"
 
 
-def test_settings_refuse_a_coordinator_without_address_and_constant_without_divisor() -> None:
-    with pytest.raises(ValidationError, match="coordinator=HOST:PORT"):
-        ArealReductionSettings(normalizer="coordinator")
+def test_settings_take_a_coordinator_without_address_and_refuse_constant_without_divisor() -> None:
+    # No address: the ranks start or join the job's coordinator actor on their Ray cluster
+    # (test_areal_actor's joined case), and outside one ask for the address at the first
+    # step (its unjoined case).
+    settings = ArealReductionSettings(normalizer="coordinator")
+    assert settings.coordinator is None
+    assert ArealReductionSettings.joins_ray_coordinator
     with pytest.raises(ValidationError, match="divisor"):
         ArealReductionSettings(mode=PolicyGradientMode.CONSTANT)
 

@@ -48,8 +48,9 @@ def test_settings_validate_mode_divisor_and_backend(monkeypatch: pytest.MonkeyPa
         GRPOReductionSettings.model_validate({"mode": "constant"})
     with pytest.raises(ValueError, match="only valid with mode 'constant'"):
         GRPOReductionSettings.model_validate({"mode": "seq_mean", "divisor": 4.0})
-    with pytest.raises(ValueError, match="LOSSREDUCE_COORDINATOR"):
-        GRPOReductionSettings(normalizer="coordinator")
+    # No address: the job's coordinator actor on the Ray cluster (the trainer checks Ray).
+    assert GRPOReductionSettings(normalizer="coordinator").coordinator is None
+    assert GRPOReductionSettings.joins_ray_coordinator
     monkeypatch.setenv("LOSSREDUCE_MODE", "prompt_mean")
     monkeypatch.setenv("LOSSREDUCE_NORMALIZER", "coordinator")
     monkeypatch.setenv("LOSSREDUCE_COORDINATOR", "127.0.0.1:5")
@@ -161,3 +162,50 @@ def test_a_mapping_of_reduction_fields_is_read_over_the_variables(
     assert (settings.mode, settings.job) == ("seq_mean", "from-env")
     given = GRPOReductionSettings(job="given")
     assert reduction_settings(given) is given
+
+
+@trl_needed
+@pytest.mark.parametrize("ray_importable", [True, False])
+def test_the_coordinator_actor_outside_a_ray_cluster_is_refused_before_trl_loads_anything(
+    trl_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_importable: bool
+) -> None:
+    import ray
+
+    assert not ray.is_initialized(), "a test left Ray running"
+    if not ray_importable:
+        monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOSSREDUCE_RUN", raising=False)
+    monkeypatch.delenv("LOSSREDUCE_COORDINATOR", raising=False)
+    started = time.monotonic()
+    with pytest.raises(ReductionConfigError) as caught:
+        # The model path is never opened: refused with the settings.
+        trl_module.LossReduceGRPOTrainer(
+            str(tmp_path / "absent"), None, reduction={"normalizer": "coordinator"}
+        )
+    assert time.monotonic() - started < 5
+    err = caught.value
+    assert (err.job, err.group, err.run) == ("trl-grpo-<run>", "policy", "")
+    not_installed = "" if ray_importable else " (Ray is not installed here)"
+    assert str(err) == (
+        "LossReduceGRPOTrainer (job 'trl-grpo-<run>', run not drawn yet, group 'policy'): "
+        "normalizer='coordinator' without a coordinator address sends the rounds to the job's "
+        "coordinator actor on this process's Ray cluster, but the process is not connected "
+        f"to one{not_installed}; pass coordinator=HOST:PORT (LOSSREDUCE_COORDINATOR), or "
+        "connect every process to one Ray cluster (ray.init) before building the trainer"
+    )
+
+
+@trl_needed
+def test_the_refusal_names_a_run_known_before_the_trainer_is_built(
+    trl_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-7")
+    settings = GRPOReductionSettings(normalizer="coordinator", group="grpo")
+    with pytest.raises(ReductionConfigError) as caught:
+        trl_module.LossReduceGRPOTrainer(str(tmp_path / "absent"), None, reduction=settings)
+    err = caught.value
+    assert (err.job, err.group, err.run) == ("trl-grpo-rdzv-7", "grpo", "rdzv-7")
+    assert str(err).startswith(
+        "LossReduceGRPOTrainer (job 'trl-grpo-rdzv-7', run 'rdzv-7', group 'grpo'): "
+    )

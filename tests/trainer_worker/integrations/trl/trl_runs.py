@@ -54,6 +54,7 @@ class Case:
     overlap: bool = True
     job: str | None = None  # None: test-<name>; "": the trainer's default (trl-grpo-<run>)
     save_steps: int = 0  # 0: no checkpoints
+    ray_address: str | None = None  # each process joins this Ray cluster for the case
 
 
 def _config(case: Case, layout: Layout, out: Path) -> Any:
@@ -157,6 +158,37 @@ class _Snapshot:
 
 
 def run_case(case: Case, layout: Layout, model_dir: Path, out: Path) -> dict[str, Any]:
+    """One case's results; with ``case.ray_address`` this process joins that Ray cluster
+    first, and leaves it after."""
+    if case.ray_address is None:
+        return _run_case(case, layout, model_dir, out)
+    import ray
+
+    ray.init(
+        address=case.ray_address,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
+    try:
+        return _run_case(case, layout, model_dir, out)
+    finally:
+        ray.shutdown()
+
+
+def _actor_target(trainer: Any) -> str:
+    """Where the job's coordinator actor (in lossreduce's Ray namespace) serves; every
+    process asks before any leaves (the actor ends with the process that started it)."""
+    import ray
+
+    from lossreduce.trainer_worker.integrations.coordinator_actor import get_coordinator_actor
+
+    actor = get_coordinator_actor(trainer.reduction_job)
+    target: str = ray.get(actor.endpoint.remote(), timeout=60).target
+    trainer.accelerator.wait_for_everyone()
+    return target
+
+
+def _run_case(case: Case, layout: Layout, model_dir: Path, out: Path) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     trainer = make_trainer(case, layout, model_dir, out)
@@ -193,8 +225,11 @@ def run_case(case: Case, layout: Layout, model_dir: Path, out: Path) -> dict[str
     result["optimizer"] = snapshot.optimizer
     result["rows"] = _window_rows(trainer, layout)
     result["skipped_steps"] = getattr(trainer, "skipped_steps", None)
+    result["job"] = getattr(trainer, "reduction_job", None)
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result["logs"] = [h for h in trainer.state.log_history if "loss" in h]
+    if case.ray_address is not None and "error" not in result:
+        result["actor_target"] = _actor_target(trainer)
     close = getattr(trainer, "close", None)
     if close is not None:
         close()

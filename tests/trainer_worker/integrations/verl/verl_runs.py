@@ -321,8 +321,8 @@ def measured_step(
     result["optimizer"] = optimizer_state()
     result["normalizers"] = getattr(worker, "last_normalizers", None)
     result["skipped_steps"] = getattr(worker, "skipped_steps", None)
-    group = getattr(worker, "_round_group", None)
-    result["group"] = None if group is None else group()
+    rounds = getattr(worker, "rounds", None)
+    result["group"] = None if rounds is None else rounds.group()
     return result
 
 

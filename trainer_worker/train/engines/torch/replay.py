@@ -2,7 +2,7 @@
 
 The batch the workers trained on is replayed with all of its data in this
 process, through the same :class:`~lossreduce.trainer_worker.engine.TorchTrainEngine`
-with a :class:`~lossreduce.trainer_worker.normalizers.LocalNormalizer`; the
+with the rounds of a one-rank world (a local normalizer); the
 gradients it leaves are what the workers' summed gradients must equal
 (:func:`~lossreduce.trainer_worker.train.verify.compare_gradients`).
 """
@@ -13,10 +13,9 @@ import torch
 
 from lossreduce.trainer_worker.engine import TorchTrainEngine
 from lossreduce.trainer_worker.microbatch import MicrobatchSettings, MicrobatchSplitter
-from lossreduce.trainer_worker.normalizers import LocalNormalizer
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
-from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
 from lossreduce.trainer_worker.train.engines.torch.grpo import GRPOLoss
+from lossreduce.trainer_worker.train.engines.torch.rounds import EngineRounds, engine_rounds
 from lossreduce.trainer_worker.train.engines.torch.worker import build_policy
 from lossreduce.trainer_worker.train.rollouts import RolloutBatch
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
@@ -48,7 +47,18 @@ def single_process_gradients(
     engine = TorchTrainEngine(
         policy,
         torch.optim.Adam(policy.parameters(), lr=settings.lr),
-        LocalNormalizer(job=job, group=REDUCTION_GROUP),
+        engine_rounds(
+            EngineRounds(
+                job=job,
+                normalizer="torch",
+                run=settings.run,
+                on_empty_step="raise",
+                call_timeout_s=settings.round_timeout_s,
+            ),
+            rank=0,
+            world_size=1,
+            device=device,
+        ).normalizer(),
         MicrobatchSplitter(MicrobatchSettings(n_microbatches=settings.microbatches)),
         forward_fn=loss.forward,
         on_empty_step="raise",

@@ -22,26 +22,20 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lossreduce.trainer_worker.engine import TorchTrainEngine
+from lossreduce.trainer_worker.integrations.worker_rounds import WorkerRounds
 from lossreduce.trainer_worker.microbatch import MicrobatchSettings, MicrobatchSplitter
-from lossreduce.trainer_worker.normalizers import (
-    CoordinatorNormalizer,
-    GlobalNormalizer,
-    NormalizerHandle,
-    TorchDistributedNormalizer,
-    claim_run,
-)
+from lossreduce.trainer_worker.normalizers import GlobalNormalizer, NormalizerHandle
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
-from lossreduce.trainer_worker.train.engines.base import REDUCTION_GROUP
 from lossreduce.trainer_worker.train.engines.rank import RankActor, RankConfig, sample_slice
 from lossreduce.trainer_worker.train.engines.torch.grpo import GRPOLoss
 from lossreduce.trainer_worker.train.engines.torch.model import CausalTransformer, PolicyConfig
+from lossreduce.trainer_worker.train.engines.torch.rounds import EngineRounds, engine_rounds
 from lossreduce.trainer_worker.train.metrics import WorkerMetrics
 from lossreduce.trainer_worker.train.rollouts import (
     RolloutBatch,
@@ -49,9 +43,6 @@ from lossreduce.trainer_worker.train.rollouts import (
 )
 from lossreduce.trainer_worker.train.task import INPUT_VOCAB, OUTPUT_VOCAB, stream_seed
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
-
-if TYPE_CHECKING:
-    from lossreduce.client import ReductionClient
 
 __all__ = [
     "TimedNormalizer",
@@ -98,9 +89,6 @@ class TimedNormalizer:
         contracts: Mapping[str, str] | None = None,
     ) -> NormalizerHandle:
         return self.inner.start(step, partials, contracts)
-
-    def claim(self, step: int = 0) -> bool:
-        return claim_run(self.inner, step)
 
     def reduce(
         self,
@@ -168,7 +156,7 @@ class TrainerWorker(RankActor):
         self.metrics = WorkerMetrics(config.job)
         self._normalizer: TimedNormalizer | None = None
         self._engine: TorchTrainEngine | None = None
-        self._client: ReductionClient | None = None
+        self._rounds: WorkerRounds | None = None
         self._capture = False
         self.captured_gradients: dict[str, Tensor] | None = None
 
@@ -184,31 +172,22 @@ class TrainerWorker(RankActor):
             world_size=self.config.world_size,
             timeout=timedelta(seconds=self.settings.round_timeout_s + 30),
         )
-        inner: GlobalNormalizer
-        if self.settings.normalizer == "torch":
-            inner = TorchDistributedNormalizer(job=self.config.job, group=REDUCTION_GROUP)
-        else:
-            from lossreduce.client import ClientSettings, ReductionClient
-
-            if self.config.coordinator is None:
-                raise ValueError(
-                    f"rank {self.rank}: normalizer 'coordinator' needs a coordinator address"
-                )
-            client = ReductionClient(
-                self.config.coordinator,
+        self._rounds = engine_rounds(
+            EngineRounds(
                 job=self.config.job,
-                group=REDUCTION_GROUP,
-                run=self.settings.run or "",
-                rank=self.rank,
-                world_size=self.config.world_size,
-                settings=ClientSettings(
-                    call_timeout_s=self.settings.round_timeout_s + 30,
-                    token=self.config.coordinator_token,
-                    tls_root_cert_pem=self.config.coordinator_tls_ca,
-                ),
-            )
-            self._client = client
-            inner = CoordinatorNormalizer(client)
+                normalizer=self.settings.normalizer,
+                run=self.settings.run,
+                on_empty_step=self.settings.on_empty_step,
+                call_timeout_s=self.settings.round_timeout_s + 30,
+                coordinator=self.config.coordinator,
+                token=self.config.coordinator_token,
+                tls_ca=self.config.coordinator_tls_ca,
+            ),
+            rank=self.rank,
+            world_size=self.config.world_size,
+            device=self.device,
+        )
+        inner = self._rounds.normalizer()
         self._normalizer = TimedNormalizer(inner)
         self._engine = TorchTrainEngine(
             self.policy,
@@ -268,8 +247,8 @@ class TrainerWorker(RankActor):
         return self.captured_gradients
 
     def shutdown(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        if self._rounds is not None:
+            self._rounds.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
