@@ -112,6 +112,14 @@ def coordinator_factory() -> Iterator[CoordinatorFactory]:
         thread.stop()
 
 
+@pytest.fixture(scope="module")
+def coordinator_target() -> Iterator[str]:
+    """A coordinator on a free loopback port for one test module's cases: its address."""
+    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
+    yield thread.target
+    thread.stop()
+
+
 @pytest.fixture
 def coordinator(
     request: pytest.FixtureRequest, coordinator_factory: CoordinatorFactory

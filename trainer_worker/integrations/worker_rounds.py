@@ -75,9 +75,11 @@ __all__ = [
     "RoundSettings",
     "RunClaim",
     "WorkerRounds",
+    "bad_input_error",
     "coordinator_client",
     "describe_claims",
     "gather_rows",
+    "poison",
     "reduce_round",
     "round_file",
     "round_metrics",
@@ -351,15 +353,10 @@ def reduce_round(
 
     ``bad`` lists what is wrong with this rank's inputs
     (:func:`~lossreduce.trainer_worker.step_rows.bad_inputs`, a bad loss weight). Then
-    the ``poisoned`` terms' partials are sent as NaN (a partial already invalid goes as
-    it is, so the peers' error names that value): every peer aborts instead of training
-    without this rank, and this rank's error names what was bad and what it sent."""
-    sent = dict(partials)
-    if bad:
-        for term in [poisoned] if isinstance(poisoned, str) else poisoned:
-            value = sent.get(term)
-            if value is None or check_partial(float(value)) is None:
-                sent[term] = torch.tensor(math.nan, dtype=torch.float64, device=_device(value))
+    the ``poisoned`` terms' partials are sent as NaN (:func:`poison`): every peer aborts
+    instead of training without this rank, and this rank's error names what was bad and
+    what it sent (:func:`bad_input_error`)."""
+    sent = poison(partials, poisoned, bad)
     try:
         totals = normalizer.reduce(step, sent, dict(contracts))
     except EmptyNormalizerError:
@@ -371,19 +368,41 @@ def reduce_round(
     except LossReduceError as err:
         if not bad:
             raise
-        terms = sorted(sent)
-        values = [float(sent[t]) for t in terms]
-        here = RankContext(err.job or "", err.group or "", step, rank)
-        raise here.error(
-            InvalidPartialError,
-            f"cannot train on this rank's mini-batch: {'; '.join(bad)}; sent "
-            f"{format_terms(terms, values)} so that no rank trains on it",
-            terms=terms,
-            values=values,
-        ) from err
+        raise bad_input_error(err, step, rank, bad, sent) from err
     if bad:
         raise AssertionError("a round with a NaN partial returned normalizers")
     return {term: float(n) for term, n in totals.items()}
+
+
+def poison(
+    partials: Mapping[str, Tensor], poisoned: str | Sequence[str], bad: list[str]
+) -> dict[str, Tensor]:
+    """The partials a rank sends: as they are, or with ``bad`` inputs each ``poisoned``
+    term's as NaN (one already invalid goes as it is, so the peers' error names it)."""
+    sent = dict(partials)
+    if bad:
+        for term in [poisoned] if isinstance(poisoned, str) else poisoned:
+            value = sent.get(term)
+            if value is None or check_partial(float(value)) is None:
+                sent[term] = torch.tensor(math.nan, dtype=torch.float64, device=_device(value))
+    return sent
+
+
+def bad_input_error(
+    answer: LossReduceError, step: int, rank: int, bad: list[str], sent: Mapping[str, Tensor]
+) -> InvalidPartialError:
+    """This rank's error for a round it poisoned (``answer``, the round's own error):
+    what was bad in its inputs, and what it sent so that no rank trains on them."""
+    terms = sorted(sent)
+    values = [float(sent[t]) for t in terms]
+    here = RankContext(answer.job or "", answer.group or "", step, rank)
+    return here.error(
+        InvalidPartialError,
+        f"cannot train on this rank's mini-batch: {'; '.join(bad)}; sent "
+        f"{format_terms(terms, values)} so that no rank trains on it",
+        terms=terms,
+        values=values,
+    )
 
 
 def _device(value: Tensor | None) -> torch.device | None:

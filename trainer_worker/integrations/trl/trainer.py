@@ -69,10 +69,14 @@ from lossreduce.trainer_worker.integrations.trl.options import (
     refuse_unsupported,
 )
 from lossreduce.trainer_worker.integrations.trl.window import MicroStep, Window, loss_mask
-from lossreduce.trainer_worker.integrations.worker_rounds import DataParallel, WorkerRounds
+from lossreduce.trainer_worker.integrations.worker_rounds import (
+    DataParallel,
+    WorkerRounds,
+    poison,
+)
 from lossreduce.trainer_worker.normalizers import GlobalNormalizer, ReadyHandle
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
-from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
+from lossreduce.trainer_worker.step_rows import StepRows, bad_inputs, plan_rows
 
 try:
     import trl
@@ -277,8 +281,19 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         )
         plan = plan_rows(self.policy_reduction, rows, self.accelerator.process_index, n_windows)
         # Every step's round in flight at once; each is waited for when needed.
+        bad: list[list[str]] = [[] for _ in range(n_windows)]
+        for i, (s, m) in enumerate(zip(slices, masks, strict=True)):
+            advantages = s["advantages"].detach()  # [B] or [B, T]
+            if advantages.dim() == 1:
+                advantages = advantages[:, None].expand(m.shape)
+            # A NaN advantage at an active token would reach the gradient: every
+            # process's round of that step aborts instead (masked rows are ignored).
+            found = bad_inputs(
+                m.cpu(), {"advantages": advantages.cpu()}, self.accelerator.process_index
+            )
+            bad[i // ga] += [f"micro-step {i % ga}: {what}" for what in found]
         windows = self._open_windows = [
-            self._start_window(w, plan.policy_partials[w], plan.token_partials[w])
+            self._start_window(w, plan.policy_partials[w], plan.token_partials[w], bad[w])
             for w in range(n_windows)
         ]
         offset = 0
@@ -290,7 +305,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             )
             offset += m.size(0)
 
-    def _start_window(self, window: int, policy: float, tokens: float) -> Window:
+    def _start_window(self, window: int, policy: float, tokens: float, bad: list[str]) -> Window:
         step = int(self.state.global_step) + window
         partials = {POLICY_TERM: policy}
         if self.beta != 0.0:
@@ -298,12 +313,20 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         if self._entropy_bonus_enabled:
             partials[ENTROPY_TERM] = tokens
         device = self.accelerator.device
-        handle = self.normalizer().start(
-            step,
+        sent = poison(
             {t: torch.tensor(v, dtype=torch.float64, device=device) for t, v in partials.items()},
-            self.contracts,
+            POLICY_TERM,
+            bad,
         )
-        return Window(handle, self.reduction_settings.on_empty_step)
+        handle = self.normalizer().start(step, sent, self.contracts)
+        return Window(
+            handle,
+            self.reduction_settings.on_empty_step,
+            step=step,
+            rank=self.accelerator.process_index,
+            bad=bad,
+            sent=sent,
+        )
 
     # -- the loss -------------------------------------------------------------------
 

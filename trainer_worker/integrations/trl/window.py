@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
-from lossreduce.errors import EmptyNormalizerError
+from lossreduce.errors import EmptyNormalizerError, LossReduceError
+from lossreduce.trainer_worker.integrations.worker_rounds import bad_input_error
 from lossreduce.trainer_worker.normalizers import NormalizerHandle
 
 __all__ = ["MicroStep", "Window", "loss_mask"]
@@ -22,6 +23,12 @@ class Window:
 
     handle: NormalizerHandle
     on_empty_step: str
+    step: int = 0
+    rank: int = 0
+    bad: list[str] = field(default_factory=list)
+    """What is wrong with this process's inputs to the step (its partials went as NaN)."""
+    sent: dict[str, Tensor] = field(default_factory=dict)
+    """The partials this process sent."""
     answered: bool = False
     normalizers: dict[str, float] | None = None
     """The global normalizers by term once answered (None: the step is skipped)."""
@@ -38,9 +45,13 @@ class Window:
             try:
                 totals = self.handle.wait()
             except EmptyNormalizerError:
-                if self.on_empty_step == "raise":
+                if self.bad or self.on_empty_step == "raise":
                     raise
                 self.normalizers = None
+            except LossReduceError as err:
+                if not self.bad:
+                    raise
+                raise bad_input_error(err, self.step, self.rank, self.bad, self.sent) from err
             else:
                 self.normalizers = {t: float(n) for t, n in totals.items()}
             finally:

@@ -67,6 +67,9 @@ BAD_WEIGHTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 """Rank 1's ``loss_weight_fn``, given AReaL's own (the active-token count)."""
 
+NORMALIZER = "lossreduce/normalizer/"
+"""The prefix of the normalizers among the LossReduce actor's train stats."""
+
 JOINED = "ray"
 """``Case.coordinator`` of a case given no coordinator address: its ranks start or join
 the job's coordinator actor on their Ray cluster (:attr:`Job.ray_address`), and are
@@ -82,7 +85,9 @@ class Case:
     mode: str = "token_mean"
     max_tokens: int = ONE_PER_MB
     normalizer: str = "torch"
-    data: str = "base"  # base, nan_advantage, all_masked, masked_odd
+    # base, nan_advantage, nan_advantage_rank1, masked_nan, all_masked, masked_odd (see
+    # group_rows)
+    data: str = "base"
     # count (AReaL's own), or a bad loss_weight_fn on rank 1: inf_rank1, nan_rank1,
     # negative_rank1 (-1 times the count), off_rank1 (the count + 1, disagreeing with the
     # mask); a bad one calls train_batch directly with it.
@@ -137,6 +142,14 @@ def group_rows(group: int, data: str = "base", rank: int = 0) -> dict[str, torch
         loss_mask = torch.zeros_like(loss_mask)
     if data == "nan_advantage" and rank == 0 and group == 0:
         advantages[0, PROMPT] = math.nan
+    # Group 1 is rank 1's first on two ranks (the only rank's second on one): a NaN
+    # advantage at its first row's active token PROMPT, or at its first masked response token.
+    if data == "nan_advantage_rank1" and group == 1:
+        assert loss_mask[0, PROMPT], "the NaN must sit at an active token"
+        advantages[0, PROMPT] = math.nan
+    if data == "masked_nan" and group == 1:
+        masked = attention[0] & ~loss_mask[0] & (positions[0] >= PROMPT - 1)  # [T]
+        advantages[0, int(masked.nonzero()[0])] = math.nan
     prox = old.clone()
     if data.startswith("m2po"):
         prox = m2po_prox(group, old, loss_mask, data, rank)
@@ -408,17 +421,35 @@ def measure(
     state: Callable[[Any], list[torch.Tensor]],
 ) -> dict[str, Any]:
     """What ``step`` on ``actor`` did: the parameters before and after (``params``), its
-    stats or error, its time, whether it left weights and optimizer state (``state``)
-    untouched, and the actor's skipped-step count."""
+    stats or error (and the ranks the error names: ``error_ranks``, its ``rank`` and
+    ``ranks``), its time, whether it left weights and optimizer state (``state``)
+    untouched, the normalizers of its last round (``normalizers``, as the actor's
+    ``train_batch`` returned them, None for none) and the actor's skipped-step count."""
     before = params(actor)
     state_before = state(actor)
     out: dict[str, Any] = {"initial": before}
+    normalizers: dict[str, float] = {}
+    train_batch = actor.train_batch
+
+    def recorded(*args: Any, **kwargs: Any) -> dict[str, float]:
+        stats: dict[str, float] = train_batch(*args, **kwargs)
+        normalizers.clear()
+        normalizers.update(
+            {k.removeprefix(NORMALIZER): v for k, v in stats.items() if k.startswith(NORMALIZER)}
+        )
+        return stats
+
+    actor.train_batch = recorded  # AReaL's PPO update calls its engine's, the actor's own
     started = time.perf_counter()
     try:
         out["stats"] = step()
     except Exception as err:
         out["error"] = (type(err).__name__, str(err))
+        out["error_ranks"] = (getattr(err, "rank", None), tuple(getattr(err, "ranks", ())))
+    finally:
+        del actor.train_batch
     out["seconds"] = time.perf_counter() - started
+    out["normalizers"] = dict(normalizers) or None
     out["params"] = params(actor)
     state_after = state(actor)
     out["untouched"] = (

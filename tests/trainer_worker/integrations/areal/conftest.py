@@ -1,12 +1,7 @@
 """Warnings that importing and building AReaL 1.0.4 raise, filtered one by one (everything
 else stays an error), and the coordinator the actor tests share per module."""
 
-from collections.abc import Iterator
-
 import pytest
-
-from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from tests.conftest import TEST_SETTINGS
 
 AREAL_IMPORT_WARNINGS = (
     # AReaL on CPU: NVIDIA's Transformer Engine and Apex are absent, it falls back.
@@ -23,11 +18,3 @@ AREAL_IMPORT_WARNINGS = (
 def pytest_configure(config: pytest.Config) -> None:
     for line in AREAL_IMPORT_WARNINGS:
         config.addinivalue_line("filterwarnings", line)
-
-
-@pytest.fixture(scope="module")
-def coordinator_target() -> Iterator[str]:
-    """A coordinator for one test module's jobs: its address."""
-    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
-    yield thread.target
-    thread.stop()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,10 @@ def batch_of(case: Case) -> tiny_skyrl.Rows:
         advantages = batch.advantages.clone()
         advantages[tiny_skyrl.MASKED_ROW] = float("nan")  # only masked tokens
         batch = tiny_skyrl.with_advantages(batch, advantages)
+    elif case.batch == "rank1_masked":
+        loss_mask = batch.loss_mask.clone()
+        loss_mask[batch.size // 2 :] = 0  # every response of rank 1 on two ranks
+        batch = replace(batch, loss_mask=loss_mask)
     if case.zero_advantages:
         batch = tiny_skyrl.with_advantages(batch, torch.zeros_like(batch.advantages))
     return batch
@@ -187,6 +191,11 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else tensor).detach().clone()
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = getattr(tensor, "to_local", None)
+    return (local() if local is not None else tensor).detach().clone()
+
+
 def _run_case(case: Case, rank: int, layout: Layout) -> dict[str, Any]:
     from lossreduce.trainer_worker.integrations.skyrl.plan import PROMPT_FIELD
 
@@ -221,7 +230,18 @@ def _run_case(case: Case, rank: int, layout: Layout) -> dict[str, Any]:
     except Exception as err:
         result["error"] = f"{type(err).__name__}: {err}"
         result["error_type"] = type(err).__name__
+        result["error_info"] = {
+            "type": type(err).__name__,
+            "message": str(err),
+            "rank": getattr(err, "rank", None),
+            "ranks": getattr(err, "ranks", ()),
+        }
         result["traceback"] = traceback.format_exc()
+        # The gradients the failed call left, this rank's shards (no collective): none
+        # where it raised before any backward.
+        result["grads_left"] = {
+            n: _local(p.grad) for n, p in model.named_parameters() if p.grad is not None
+        }
     result["normalizers"] = getattr(worker, "last_normalizers", None)
     result["skipped_steps"] = getattr(worker, "skipped_steps", None)
     return result

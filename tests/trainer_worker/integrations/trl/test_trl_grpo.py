@@ -1,5 +1,9 @@
 """LossReduceGRPOTrainer against the real TRL on CPU: partition invariance, TRL's own
-loss types on the same data, empty steps, and the coordinator backend.
+loss types on the same data, AdamW's state across an empty step the coordinator skipped,
+and the round behind the first forward (alone and through the coordinator). What every
+framework keeps (empty steps raised or skipped on every process, a NaN under the mask
+harmless, the coordinator's answer bit for bit, ...) is TRL's row of the contract table,
+``test_contract.py``.
 
 Each layout (processes x gradient accumulation, steps per generation) runs
 all its cases once (two-process layouts are spawned with gloo on loopback)
@@ -12,7 +16,7 @@ row by row in one process without TRL.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,6 @@ import torch
 pytest.importorskip("trl", reason="needs the trl extra: pip install 'lossreduce[trl]'")
 
 from lossreduce.ports import free_port
-from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.trl import tiny_grpo
 from tests.trainer_worker.integrations.trl.trl_runs import LR, Case, Layout, run
 
@@ -104,11 +106,6 @@ def cases_for(layout: str, target: str) -> list[Case]:
             *mode_cases(),
             reuse_case(),
             *trl_cases(),
-            empty_case("empty-raise", on_empty_step="raise"),
-            empty_case("empty-skip", on_empty_step="skip"),
-            Case(
-                name="coordinator", mode="prompt_mean", normalizer="coordinator", coordinator=target
-            ),
             *overlap_cases(),
             Case(
                 name="coordinator-overlap",
@@ -132,13 +129,6 @@ def cases_for(layout: str, target: str) -> list[Case]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_grpo.save_model(tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-@pytest.fixture(scope="module")
-def coordinator_target() -> Iterator[str]:
-    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
-    yield thread.target
-    thread.stop()
 
 
 @pytest.fixture(scope="module")
@@ -307,21 +297,11 @@ def test_trl_loss_types_step_on_an_all_masked_batch(
 # -- empty steps ------------------------------------------------------------------------
 
 
-def test_empty_step_raises_the_same_error_on_every_process(
+def test_empty_step_skipped_by_the_coordinator_leaves_weights_and_adam_state_bit_identical(
     results: Callable[[str], list[dict[str, Any]]],
 ) -> None:
-    errors = [r["empty-raise"].get("error") for r in results("2x2")]
-    assert all(e is not None and e["type"] == "EmptyNormalizerError" for e in errors), errors
-    assert {(e["step"], tuple(e["terms"])) for e in errors} == {(1, ("entropy", "kl", "pg"))}
-    for result in (r["empty-raise"] for r in results("2x2")):
-        assert len(result["params"]) == 1  # the first step trained, the second never ran
-
-
-@pytest.mark.parametrize("case", ["empty-skip", "coordinator-empty-skip"])
-def test_empty_step_skip_leaves_weights_and_adam_state_bit_identical(
-    results: Callable[[str], list[dict[str, Any]]], case: str
-) -> None:
-    for result in case_results(results, "2x2", case):
+    """(The torch backend's skip is the contract's, test_contract.py.)"""
+    for result in case_results(results, "2x2", "coordinator-empty-skip"):
         assert result["skipped_steps"] == 1
         assert all(math.isfinite(loss) for loss in result["losses"])
         (first, second), (adam1, adam2) = result["params"], result["optimizer"]
@@ -332,20 +312,6 @@ def test_empty_step_skip_leaves_weights_and_adam_state_bit_identical(
         for key, state in adam1.items():
             for field, value in state.items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(adam2[key][field]))
-
-
-# -- the coordinator backend --------------------------------------------------------------
-
-
-def test_coordinator_backend_gives_the_torch_backends_update(
-    results: Callable[[str], list[dict[str, Any]]],
-) -> None:
-    coordinator = case_results(results, "2x2", "coordinator")
-    torch_backend = case_results(results, "2x2", "prompt_mean")
-    for got, want in zip(coordinator, torch_backend, strict=True):
-        # Both backends sum the same partials exactly into the same normalizers;
-        # only TRL's shuffle into micro-steps may reorder float sums.
-        assert relative(got["update"], want["update"]) <= 1e-6
 
 
 # -- the round behind the first forward ---------------------------------------------------

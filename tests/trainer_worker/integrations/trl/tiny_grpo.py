@@ -100,11 +100,13 @@ def prompt_ids(prompt: str) -> list[int]:
 @dataclass
 class Rollout:
     """A ``rollout_func``: fixed completions; ``table`` is switched to make empty steps, or
-    steps with other token counts."""
+    steps with other token counts, and the processes in ``truncated_processes`` answer
+    every prompt with truncated (masked) completions."""
 
     table: dict[int, list[list[int]]] = field(default_factory=lambda: COMPLETIONS)
     empty_from_step: int | None = None
     shorter_from_step: int | None = None
+    truncated_processes: tuple[int, ...] = ()
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
         table = self.table
@@ -112,6 +114,8 @@ class Rollout:
         if self.shorter_from_step is not None and step >= self.shorter_from_step:
             table = SHORTER
         if self.empty_from_step is not None and step >= self.empty_from_step:
+            table = TRUNCATED
+        if trainer.accelerator.process_index in self.truncated_processes:
             table = TRUNCATED
         # TRL's groups are consecutive rows of the batch gathered in process order.
         first = trainer.accelerator.process_index * len(prompts)

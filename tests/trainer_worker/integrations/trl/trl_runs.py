@@ -2,9 +2,10 @@
 
 A layout is (processes, per-device batch, gradient accumulation, steps per
 generation); every process of a layout runs the same list of :class:`Case` s
-in a row and saves, per case, each parameter's update after the run, the
-window's rows (which completions the first optimizer step trained on),
-the optimizer state, and any error. Multi-process layouts are spawned with
+in a row and saves, per case, each parameter's update after the run and over
+its last optimizer step, the window's rows (which completions the first
+optimizer step trained on), the optimizer state, the normalizers of the last
+step's round, and any error. Multi-process layouts are spawned with
 gloo on loopback through accelerate's environment variables.
 """
 
@@ -55,6 +56,8 @@ class Case:
     job: str | None = None  # None: test-<name>; "": the trainer's default (trl-grpo-<run>)
     save_steps: int = 0  # 0: no checkpoints
     ray_address: str | None = None  # each process joins this Ray cluster for the case
+    truncated_processes: tuple[int, ...] = ()  # these processes' completions all masked
+    nan_advantage: str | None = None  # "active" or "masked": see _poison_advantage
 
 
 def _config(case: Case, layout: Layout, out: Path) -> Any:
@@ -98,7 +101,9 @@ def make_trainer(case: Case, layout: Layout, model_dir: Path, out: Path) -> Any:
 
     args = _config(case, layout, out)
     rollout = tiny_grpo.Rollout(
-        empty_from_step=case.empty_from_step, shorter_from_step=case.shorter_from_step
+        empty_from_step=case.empty_from_step,
+        shorter_from_step=case.shorter_from_step,
+        truncated_processes=case.truncated_processes,
     )
     common: dict[str, Any] = {
         "args": args,
@@ -125,7 +130,38 @@ def make_trainer(case: Case, layout: Layout, model_dir: Path, out: Path) -> Any:
         )
     if trainer.ref_model is not None:
         tiny_grpo.perturb(trainer.accelerator.unwrap_model(trainer.ref_model))
+    if case.nan_advantage is not None:
+        _poison_advantage(trainer, case.nan_advantage)
     return trainer
+
+
+def _poison_advantage(trainer: Any, where: str) -> None:
+    """After TRL scores each generation batch, the last process sets the advantage of its
+    first row with active tokens (``where='active'``) or of its first fully masked
+    (truncated) row (``'masked'``) to NaN.
+
+    TRL computes the advantages itself and replaces a NaN with 0 (``nan_to_num``), and a
+    reward function's NaN or None never reaches them as NaN: the only way a NaN advantage
+    reaches the loss is a trainer subclass that sets the advantages after TRL scored the
+    batch, as done here."""
+    generate = trainer._generate_and_score_completions
+
+    def poisoned(inputs: Any) -> dict[str, Any]:
+        output: dict[str, Any] = generate(inputs)
+        accelerator = trainer.accelerator
+        if accelerator.process_index == accelerator.num_processes - 1:
+            mask = output["completion_mask"]
+            if "tool_mask" in output:
+                mask = mask * output["tool_mask"]
+            tokens = mask.sum(-1)
+            rows = (tokens > 0 if where == "active" else tokens == 0).nonzero().flatten()
+            assert rows.numel() > 0, f"no {where} row on the last process"
+            advantages = output["advantages"].clone()
+            advantages[int(rows[0])] = float("nan")
+            output["advantages"] = advantages
+        return output
+
+    trainer._generate_and_score_completions = poisoned
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -216,11 +252,18 @@ def _run_case(case: Case, layout: Layout, model_dir: Path, out: Path) -> dict[st
             "message": str(err),
             "terms": getattr(err, "terms", ()),
             "step": getattr(err, "step", None),
+            "rank": getattr(err, "rank", None),
+            "ranks": getattr(err, "ranks", ()),
         }
         result["traceback"] = traceback.format_exc()
     after = _params(trainer)
     result["before"] = before
     result["update"] = {n: after[n] - before[n] for n in before}
+    # The last optimizer step's own update: from the parameters after the step before it
+    # (a step that raised left the parameters as they were after the last one that ran).
+    steps = [before, *snapshot.params]
+    last = steps[-1] if "error" in result else steps[max(len(steps) - 2, 0)]
+    result["step_update"] = {n: after[n] - last[n] for n in before}
     result["params"] = snapshot.params
     result["optimizer"] = snapshot.optimizer
     result["rows"] = _window_rows(trainer, layout)
@@ -228,6 +271,12 @@ def _run_case(case: Case, layout: Layout, model_dir: Path, out: Path) -> dict[st
     result["job"] = getattr(trainer, "reduction_job", None)
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result["logs"] = [h for h in trainer.state.log_history if "loss" in h]
+    # The normalizers of the last optimizer step's round (None: it raised or was skipped).
+    last_log = result["logs"][-1] if result["logs"] and "error" not in result else {}
+    prefix = "lossreduce/normalizer/"
+    result["normalizers"] = {
+        k[len(prefix) :]: v for k, v in last_log.items() if k.startswith(prefix)
+    } or None
     if case.ray_address is not None and "error" not in result:
         result["actor_target"] = _actor_target(trainer)
     close = getattr(trainer, "close", None)

@@ -13,14 +13,11 @@ run the resumed ones must equal (``test_main_ppo_resume.py``, its third).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from lossreduce.server import CoordinatorSettings, CoordinatorThread
 from lossreduce.trainer_worker.cpu_standins.verl.launch import save_model, save_value_model
-from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.verl.main_ppo_launch import (
     COMPUTE_IN_FLOAT32,
     ONE_MINI_BATCH,
@@ -48,11 +45,3 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = save_model(tmp_path_factory.mktemp("tiny-qwen2"))
     save_value_model(folder / VALUE_MODEL)
     return folder
-
-
-@pytest.fixture(scope="module")
-def coordinator_target() -> Iterator[str]:
-    """A coordinator on a free loopback port for one test module's cases."""
-    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
-    yield thread.target
-    thread.stop()

@@ -118,12 +118,8 @@ def dp2_cases(target: str) -> list[Case]:
         Case("constant1-pg", mode="constant", divisor=1.0, **PG_ONLY),
         # Bad input.
         Case("rank1-masked", mode="seq_mean", batch="rank1_masked"),
-        Case("empty-raise", batch="all_masked"),
-        Case("empty-skip", batch="all_masked", on_empty_step="skip", optimizer="adamw"),
         Case("nan-advantage", mode="prompt_mean", batch="nan_advantage"),
-        Case("masked-nan", mode="prompt_mean", batch="masked_nan"),
-        # Backends, epochs and mini-batches.
-        Case("coordinator", mode="prompt_mean", normalizer="coordinator", coordinator=target),
+        # Backends, epochs and mini-batches (the contract's cases are in test_contract.py).
         # No address: the ranks start or join the job's coordinator actor on their Ray cluster.
         Case("joined-coordinator", mode="prompt_mean", normalizer="coordinator"),
         Case(
@@ -282,21 +278,10 @@ def test_a_rank_without_active_tokens_takes_part_and_the_other_trains(
         assert relative(result["update"], want) <= FORMULA_RTOL
 
 
-def test_an_empty_mini_batch_raises_the_same_error_on_every_rank_before_any_step(
+def test_an_empty_mini_batch_skipped_by_the_coordinator_leaves_weights_and_adamw_untouched(
     results: LayoutRuns,
 ) -> None:
-    for result in case_results(results, 2, "empty-raise", ok=False):
-        assert result["error"]["type"] == "EmptyNormalizerError", result.get("traceback")
-        assert set(result["error"]["terms"]) == {"pg", "kl", "entropy"}
-        assert is_zero(result["update"])
-        assert result["optimizer"] == {}
-
-
-@pytest.mark.parametrize("case", ["empty-skip", "coordinator-skip"])
-def test_an_empty_mini_batch_skipped_leaves_weights_and_adamw_untouched(
-    results: LayoutRuns, case: str
-) -> None:
-    for result in case_results(results, 2, case):
+    for result in case_results(results, 2, "coordinator-skip"):
         assert result["skipped_steps"] == 1
         assert is_zero(result["update"])
         # AdamW never stepped: no state, no step counter, no weight decay.
@@ -346,26 +331,16 @@ def test_a_nan_advantage_fails_every_rank_before_any_backward_naming_the_rank(
         assert result["optimizer"] == {}
 
 
-def test_a_nan_under_the_mask_reaches_neither_loss_nor_gradient(
-    results: LayoutRuns,
-) -> None:
-    masked = case_results(results, 2, "masked-nan")
-    clean = case_results(results, 2, "prompt_mean-dp2-mb2")
-    for got, want in zip(masked, clean, strict=True):
-        for name, delta in want["update"].items():
-            assert torch.equal(got["update"][name], delta), name
-
-
 # -- backends -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["coordinator", "joined-coordinator"])
-def test_the_coordinator_backend_gives_the_torch_backends_update_bit_for_bit(
-    results: LayoutRuns, case: str
+def test_the_jobs_coordinator_actor_gives_the_torch_backends_update_bit_for_bit(
+    results: LayoutRuns,
 ) -> None:
-    """``joined-coordinator``: no address given, so the ranks (Ray drivers of one
-    cluster) start or join the job's coordinator actor, with a fresh token."""
-    coordinator = case_results(results, 2, case)
+    """No address given, so the ranks (Ray drivers of one cluster) start or join the
+    job's coordinator actor, with a fresh token (the coordinator at an address is the
+    contract's, test_contract.py)."""
+    coordinator = case_results(results, 2, "joined-coordinator")
     torch_backend = case_results(results, 2, "prompt_mean-dp2-mb2")
     for got, want in zip(coordinator, torch_backend, strict=True):
         assert got["normalizers"] == want["normalizers"]

@@ -11,7 +11,7 @@ loss and the entropy bonus on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,6 @@ import pytest
 import torch
 
 from lossreduce.ports import free_port
-from lossreduce.server import CoordinatorSettings, CoordinatorThread
-from tests.conftest import TEST_SETTINGS
 from tests.trainer_worker.integrations.verl import tiny_verl
 from tests.trainer_worker.integrations.verl.megatron.megatron_runs import (
     Job,
@@ -69,18 +67,10 @@ def layout_cases(layout: str, target: str) -> list[MegatronCase]:
             *split_cases("dp2"),
             MegatronCase("verl-token-mean-dp2", **STOCK),
             MegatronCase("kl_cov-dp2", micro=1, loss_mode="kl_cov"),
-            MegatronCase(
-                "coordinator-dp2",
-                mode="prompt_mean",
-                micro=1,
-                normalizer="coordinator",
-                coordinator=target,
-            ),
+            # The contract's cases (empty steps, NaN under the mask, the coordinator on
+            # data parallelism) are in test_contract.py.
             MegatronCase("rank1-masked", mode="seq_mean", batch="rank1_masked"),
             MegatronCase("nan-advantage", mode="prompt_mean", batch="nan_advantage"),
-            MegatronCase("masked-nan", mode="prompt_mean", micro=1, batch="masked_nan"),
-            MegatronCase("empty-raise", batch="all_masked"),
-            MegatronCase("empty-skip", batch="all_masked", on_empty_step="skip", optimizer="adamw"),
             MegatronCase("critic-dp2", role="critic"),
             MegatronCase("verl-critic-dp2", worker="verl", role="critic"),
         ]
@@ -101,13 +91,6 @@ def layout_cases(layout: str, target: str) -> list[MegatronCase]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-@pytest.fixture(scope="module")
-def coordinator_target() -> Iterator[str]:
-    thread = CoordinatorThread(CoordinatorSettings.model_validate(TEST_SETTINGS)).start()
-    yield thread.target
-    thread.stop()
 
 
 Results = Callable[[str], list[dict[str, Any]]]
@@ -259,7 +242,6 @@ def test_token_mean_is_verls_own_update_grad_norm_and_batch_num_tokens(
 @pytest.mark.parametrize(
     ("layout", "case", "torch_case"),
     [
-        ("dp2", "coordinator-dp2", "prompt_mean-dp2-mb1"),
         ("tp2", "coordinator-tp2", "token_mean-tp2"),
         ("pp2", "coordinator-pp2", "token_mean-pp2"),
     ],
@@ -308,31 +290,6 @@ def test_a_nan_advantage_fails_every_rank_before_any_backward_naming_the_rank(
     for result in (culprit, peer):
         assert is_zero(result["update"])
         assert result["optimizer"] == []
-
-
-def test_a_nan_under_the_mask_reaches_neither_loss_nor_gradient(results: Results) -> None:
-    masked = case_results(results, "dp2", "masked-nan")
-    clean = case_results(results, "dp2", "prompt_mean-dp2-mb1")
-    for got, want in zip(masked, clean, strict=True):
-        for name, delta in want["update"].items():
-            assert torch.equal(got["update"][name], delta), name
-
-
-def test_an_empty_mini_batch_raises_the_same_error_on_every_rank_before_any_step(
-    results: Results,
-) -> None:
-    for result in case_results(results, "dp2", "empty-raise", ok=False):
-        assert result["error"]["type"] == "EmptyNormalizerError", result.get("traceback")
-        assert set(result["error"]["terms"]) == {"pg", "kl", "entropy"}
-        assert is_zero(result["update"])
-        assert result["optimizer"] == []
-
-
-def test_an_empty_mini_batch_skipped_leaves_weights_and_adam_untouched(results: Results) -> None:
-    for result in case_results(results, "dp2", "empty-skip"):
-        assert result["normalizers"] is None
-        assert is_zero(result["update"])
-        assert result["optimizer"] == []  # Adam never stepped: no moments, no decay
 
 
 # -- the critic ---------------------------------------------------------------------------------

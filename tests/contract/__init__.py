@@ -1,0 +1,1 @@
+"""The contract every framework keeps, written once (:mod:`tests.contract.table`)."""
