@@ -24,6 +24,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from lossreduce.server import CoordinatorSettings, CoordinatorThread
+from lossreduce.trainer_worker.integrations.coordinator_actor import get_coordinator_actor
 from lossreduce.trainer_worker.train.cli import PROG, main
 from lossreduce.trainer_worker.train.driver import RunResult, run
 from lossreduce.trainer_worker.train.outputs import StepRecord
@@ -311,7 +312,7 @@ class KillCoordinator:
         self._killed_pid = 0
 
     def _actor(self) -> Any:
-        return ray.get_actor(f"lossreduce-coordinator-{self.job}")
+        return get_coordinator_actor(self.job)
 
     def on_rollout(self, step: int) -> None:
         if step != self.step:
