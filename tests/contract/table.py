@@ -23,13 +23,22 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
+import pytest
 import torch
 
-__all__ = ["ROWS", "Case", "ContractAdapter", "RankOutcome", "outcome_of"]
+__all__ = ["ROOT", "ROWS", "Case", "ContractAdapter", "RankOutcome", "cached_runs", "outcome_of"]
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root: spawned ranks import the harness modules (``tests.*``) from it."""
+
+K = TypeVar("K", bound=Hashable)
+RankResults = list[dict[str, Any]]
 
 
 class Case(enum.Enum):
@@ -90,6 +99,32 @@ def outcome_of(result: Mapping[str, Any]) -> RankOutcome:
         message="" if error is None else error["message"],
         blamed=blamed,
     )
+
+
+def cached_runs(
+    run: Callable[[K], RankResults],
+    label: str,
+    report: Callable[[K, RankResults], None] | None = None,
+) -> Callable[[K], RankResults]:
+    """key -> ``run(key)`` (every rank's results), each key run once with :data:`ROOT` on
+    ``sys.path`` (spawned ranks import the run module by name); prints its time, refuses
+    a crashed rank."""
+    cache: dict[K, RankResults] = {}
+
+    def get(key: K) -> RankResults:
+        if key not in cache:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.syspath_prepend(str(ROOT))
+                started = time.perf_counter()
+                cache[key] = run(key)
+                print(f"{label} {key}: {time.perf_counter() - started:.1f} s")
+                if report is not None:
+                    report(key, cache[key])
+            for rank, result in enumerate(cache[key]):
+                assert "crash" not in result, f"{label} {key} rank {rank}: {result['crash']}"
+        return cache[key]
+
+    return get
 
 
 class ContractAdapter(Protocol):

@@ -8,14 +8,12 @@ Each test module runs its jobs once (:func:`cached_runs`) and hands the per-rank
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Hashable
-from pathlib import Path
+from collections.abc import Hashable
 from typing import Any, TypeVar
 
-import pytest
 import torch
 
+from tests.contract.table import cached_runs
 from tests.trainer_worker.integrations.areal import areal_runs
 
 __all__ = [
@@ -44,32 +42,6 @@ RankResults = list[dict[str, Any]]
 
 TOLERANCE = 1e-6
 """The relative error allowed against the reference update (float32 on CPU)."""
-
-
-def cached_runs(
-    run: Callable[[K], RankResults],
-    root: Path,
-    label: str,
-    report: Callable[[K, RankResults], None] | None = None,
-) -> Callable[[K], RankResults]:
-    """key -> ``run(key)``, each key run once; prints its time, refuses a crashed rank."""
-    cache: dict[K, RankResults] = {}
-
-    def get(key: K) -> RankResults:
-        if key not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                # Spawned ranks import the run module by name.
-                patch.syspath_prepend(str(root))
-                started = time.perf_counter()
-                cache[key] = run(key)
-                print(f"{label} {key}: {time.perf_counter() - started:.1f} s")
-                if report is not None:
-                    report(key, cache[key])
-            for rank, result in enumerate(cache[key]):
-                assert "crash" not in result, f"{label} {key} rank {rank}: {result['crash']}"
-        return cache[key]
-
-    return get
 
 
 def relative(

@@ -22,7 +22,6 @@ with Archon's parameters compared under their Hugging Face names:
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -113,7 +112,7 @@ def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -
             )
         )
 
-    return checks.cached_runs(run, Path(__file__).resolve().parents[4], "Archon world")
+    return checks.cached_runs(run, "Archon world")
 
 
 # -- the formulas, micro-batches, ranks ------------------------------------------------------

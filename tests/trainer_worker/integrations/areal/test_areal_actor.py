@@ -23,7 +23,6 @@ actor from the same seed; one process per rank, one or two ranks
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import ray
@@ -126,7 +125,7 @@ def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -
         with local_ray():
             return areal_runs.run(job(ray.get_runtime_context().gcs_address))
 
-    return checks.cached_runs(run, Path(__file__).resolve().parents[4], "AReaL world")
+    return checks.cached_runs(run, "AReaL world")
 
 
 # -- the formulas, micro-batches, ranks ------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,7 +133,7 @@ def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -
             )
         )
 
-    return checks.cached_runs(run, Path(__file__).resolve().parents[4], "AReaL M2PO world")
+    return checks.cached_runs(run, "AReaL M2PO world")
 
 
 def _reference(results: Results) -> dict[str, Any]:

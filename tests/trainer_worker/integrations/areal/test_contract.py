@@ -9,8 +9,6 @@ rank's update (the one case the one-rank job adds)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from lossreduce.ports import free_port
@@ -35,8 +33,7 @@ def contract(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) 
             )
         )
 
-    root = Path(__file__).resolve().parents[4]
-    return ArealRow("areal", actor_checks.cached_runs(run, root, "AReaL contract world"))
+    return ArealRow("areal", actor_checks.cached_runs(run, "AReaL contract world"))
 
 
 def test_the_nan_is_named_by_its_row_and_position(contract: ArealRow) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.contract.checks import *  # noqa: F403  (the contract's columns, run on this row)
-from tests.contract.table import Case, RankOutcome, outcome_of
+from tests.contract.table import Case, RankOutcome, cached_runs, outcome_of
 from tests.trainer_worker.integrations.skyrl import tiny_skyrl
 from tests.trainer_worker.integrations.skyrl.skyrl_runs import Case as SkyrlCase
 from tests.trainer_worker.integrations.skyrl.skyrl_runs import run
@@ -87,21 +87,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def contract(
     model_dir: Path, coordinator_target: str, tmp_path_factory: pytest.TempPathFactory
 ) -> SkyrlRow:
-    cache: dict[int, list[dict[str, Any]]] = {}
-    root = Path(__file__).resolve().parents[4]
-
     def results(world: int) -> list[dict[str, Any]]:
-        if world not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                # Spawned ranks import the run module by name.
-                patch.syspath_prepend(str(root))
-                cache[world] = run(
-                    world,
-                    MICRO,
-                    cases(world, coordinator_target),
-                    model_dir,
-                    tmp_path_factory.mktemp(f"contract-dp{world}"),
-                )
-        return cache[world]
+        out = tmp_path_factory.mktemp(f"contract-dp{world}")
+        return run(world, MICRO, cases(world, coordinator_target), model_dir, out)
 
-    return SkyrlRow(results)
+    return SkyrlRow(cached_runs(results, "SkyRL contract world"))

@@ -23,7 +23,7 @@ pytest.importorskip("trl", reason="needs the trl extra: pip install 'lossreduce[
 
 from lossreduce.ports import free_port
 from tests.contract.checks import *  # noqa: F403  (the contract's columns, run on this row)
-from tests.contract.table import Case, RankOutcome, outcome_of
+from tests.contract.table import Case, RankOutcome, cached_runs, outcome_of
 from tests.trainer_worker.integrations.trl import tiny_grpo
 from tests.trainer_worker.integrations.trl.trl_runs import Case as TrlCase
 from tests.trainer_worker.integrations.trl.trl_runs import Layout, run
@@ -94,23 +94,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def contract(
     model_dir: Path, coordinator_target: str, tmp_path_factory: pytest.TempPathFactory
 ) -> TrlRow:
-    cache: dict[int, list[dict[str, Any]]] = {}
-    root = Path(__file__).resolve().parents[4]
-
     def results(world: int) -> list[dict[str, Any]]:
-        if world not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                # Spawned processes import the run module by name.
-                patch.syspath_prepend(str(root))
-                cache[world] = run(
-                    LAYOUTS[world],
-                    cases(world, coordinator_target),
-                    model_dir,
-                    tmp_path_factory.mktemp(f"contract-{world}"),
-                    free_port(),
-                )
-        for rank, result in enumerate(cache[world]):
-            assert "crash" not in result, f"{world} processes, rank {rank}: {result['crash']}"
-        return cache[world]
+        out = tmp_path_factory.mktemp(f"contract-{world}")
+        return run(LAYOUTS[world], cases(world, coordinator_target), model_dir, out, free_port())
 
-    return TrlRow(results)
+    return TrlRow(cached_runs(results, "TRL contract processes"))

@@ -7,8 +7,6 @@ and beside the contract's columns AReaL's own checks on the same runs (as the FS
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from lossreduce.ports import free_port
@@ -40,10 +38,7 @@ def contract(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) 
             )
         )
 
-    root = Path(__file__).resolve().parents[5]
-    return ArealRow(
-        "areal-megatron", actor_checks.cached_runs(run, root, "Megatron contract world")
-    )
+    return ArealRow("areal-megatron", actor_checks.cached_runs(run, "Megatron contract world"))
 
 
 def test_the_nan_is_named_by_its_row_and_position(contract: ArealRow) -> None:

@@ -24,7 +24,6 @@ The fixture prints each layout's step time with and without lossreduce.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -93,8 +92,7 @@ def results(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -
             )
         )
 
-    root = Path(__file__).resolve().parents[5]
-    return checks.cached_runs(run, root, "Megatron", _step_times)
+    return checks.cached_runs(run, "Megatron", _step_times)
 
 
 # -- the formulas, ranks, tensor parallelism -----------------------------------------------------

@@ -5,14 +5,14 @@ on one and two gloo ranks."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from lossreduce.ports import free_port
 from tests.contract.checks import *  # noqa: F403  (the contract's columns, run on this row)
-from tests.contract.table import Case, RankOutcome, outcome_of
+from tests.contract.table import Case, RankOutcome, cached_runs, outcome_of
 from tests.trainer_worker.integrations.verl.megatron.megatron_runs import (
     Job,
     MegatronCase,
@@ -50,27 +50,12 @@ def cases(world: int, target: str) -> list[MegatronCase]:
 class VerlMegatronRow:
     name = "verl-megatron"
 
-    def __init__(self, model_dir: Path, target: str, out: Path) -> None:
-        self.model_dir, self.target, self.out = model_dir, target, out
-        self._cache: dict[int, list[dict[str, Any]]] = {}
+    def __init__(self, results: Callable[[int], list[dict[str, Any]]]) -> None:
+        self.results = results
 
     def outcomes(self, case: Case, world: int) -> list[RankOutcome]:
-        if world not in self._cache:
-            layout = f"dp{world}"
-            job = Job(
-                layout,
-                cases(world, self.target),
-                str(self.model_dir),
-                str(self.out / layout),
-                free_port(),
-            )
-            with pytest.MonkeyPatch.context() as patch:
-                # Spawned ranks import the run module (and verl its stand-ins) by name.
-                patch.syspath_prepend(str(Path(__file__).resolve().parents[5]))
-                self._cache[world] = run(job)
         per_rank = []
-        for rank, results in enumerate(self._cache[world]):
-            assert "crash" not in results, f"dp{world} rank {rank}: {results['crash']}"
+        for rank, results in enumerate(self.results(world)):
             result = results[case.value]
             assert "init_error" not in result, f"dp{world} {case.value} rank {rank}: {result}"
             per_rank.append(outcome_of(result))
@@ -80,4 +65,17 @@ class VerlMegatronRow:
 @pytest.fixture(scope="module")
 def contract(coordinator_target: str, tmp_path_factory: pytest.TempPathFactory) -> VerlMegatronRow:
     model_dir = save_model(tmp_path_factory.mktemp("tiny-qwen2"))
-    return VerlMegatronRow(model_dir, coordinator_target, tmp_path_factory.mktemp("contract"))
+
+    def results(world: int) -> list[dict[str, Any]]:
+        out = tmp_path_factory.mktemp(f"contract-dp{world}")
+        return run(
+            Job(
+                f"dp{world}",
+                cases(world, coordinator_target),
+                str(model_dir),
+                str(out),
+                free_port(),
+            )
+        )
+
+    return VerlMegatronRow(cached_runs(results, "verl Megatron contract world"))
