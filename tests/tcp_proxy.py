@@ -97,7 +97,6 @@ class TcpProxy:
         assert self._server is not None
         self._closing = True
         self._server.close()
-        await self._server.wait_closed()
         for _ in range(3):  # accepts the listener took before it closed reach _accept
             await asyncio.sleep(0)
         self.cut()
@@ -108,3 +107,5 @@ class TcpProxy:
         for writer in self._every:
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
+        # Last: from Python 3.12 on it waits for every accepted connection to be closed.
+        await self._server.wait_closed()
