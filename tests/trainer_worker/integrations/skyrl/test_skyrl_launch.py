@@ -51,6 +51,11 @@ COMPARED = (
 )
 """Metrics a resumed step must reproduce (relative 1e-6, absolute 1e-7)."""
 
+# A test's setup may run up to two launches (the killed one and its relaunch), each
+# allowed LAUNCH_TIMEOUT_S, as verl's and AReaL's resume modules allow theirs; pytest's
+# default 600 s cut the resume fixture on a loaded CI machine.
+pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 300)
+
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> launch.Inputs:
