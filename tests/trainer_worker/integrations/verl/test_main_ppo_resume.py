@@ -20,9 +20,10 @@ Both kinds of coordinator:
   Ray job and the actor with it, its journal stays behind, and the resumed launch
   starts a coordinator of its own under a job of its own.
 
-Four launches of its own and a fifth refused at its start-up, each 1 to 2 minutes
-on 2 cores; the uninterrupted run is conftest's ``token_mean_float32``, the A/B's
-lossreduce side.
+Two launches of its own and a third refused at its start-up, each 1 to 2 minutes on 2
+cores; the uninterrupted run is conftest's ``token_mean_float32``, the A/B's lossreduce
+side. The coordinator actor's variant (two launches more) repeats the same kill and
+relaunch: it is marked ``extended`` and ``make test-all`` runs it.
 """
 
 from __future__ import annotations
@@ -261,6 +262,9 @@ def test_a_second_launch_is_refused_before_its_rollout(with_serve: Served) -> No
     assert rival.steps == []
 
 
+# The same kill after step 2 and relaunch as test_resumed_against_lossreduce_serve, through
+# the job's own coordinator actor: a second variant (two launches), run by `make test-all`.
+@pytest.mark.extended
 def test_resumed_with_the_jobs_own_coordinator_actor(with_actor: Resume, reference: Launch) -> None:
     check_resume(with_actor, reference)
     # The default job carries the run: the relaunch's job is new, so is its coordinator
