@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from lossreduce.bench.frameworks.abba import ABBA, EOS, PAD, save_qwen2
 from lossreduce.ports import free_port
 from lossreduce.trainer_worker.integrations.areal.settings import ArealReductionSettings
 
@@ -135,33 +136,24 @@ class ArealBenchResult:
 
 def _save_model(settings: ArealBenchSettings, folder: Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     words = [f"w{i}" for i in range(settings.vocab_size)]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="w2"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1").save_pretrained(
-        folder
-    )
-    config = Qwen2Config(
-        vocab_size=settings.vocab_size,
-        hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size,
-        num_hidden_layers=settings.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        # Archon on CPU pads each micro-batch to its token budget, positions included.
-        max_position_embeddings=max(2 * settings.max_length, settings.max_tokens_per_mb),
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
-    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=words[PAD], eos_token=words[EOS]
+    ).save_pretrained(folder)
     # Weights on disk, loaded by every actor: Megatron always loads from the path, and
     # the same seed gives other weights through Archon's sharded initialization.
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    return str(folder)
+    saved = save_qwen2(
+        folder,
+        settings,
+        # Archon on CPU pads each micro-batch to its token budget, positions included.
+        max_positions=max(2 * settings.max_length, settings.max_tokens_per_mb),
+        seed=0,
+    )
+    return str(saved)
 
 
 def _batch(settings: ArealBenchSettings) -> list[dict[str, torch.Tensor]]:
@@ -327,7 +319,7 @@ def run_areal_bench(settings: ArealBenchSettings | None = None) -> ArealBenchRes
             data = _batch(settings)
             for _ in range(settings.blocks):
                 for masked in sorted({m for _, m in kinds}):
-                    for lossreduce in (True, False, False, True):
+                    for lossreduce in ABBA:
                         got, cut = _run(actors[lossreduce, masked], data, settings.steps)
                         times[lossreduce, masked] += got
                         if lossreduce and masked:

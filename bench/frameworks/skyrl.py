@@ -23,18 +23,16 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lossreduce.bench.frameworks.abba import PAD, save_qwen2, time_abba
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 
 __all__ = ["SkyRLBenchResult", "SkyRLBenchSettings", "run_skyrl_bench"]
-
-_PAD, _EOS = 0, 1
 
 
 class SkyRLBenchSettings(BaseModel):
@@ -80,27 +78,6 @@ class SkyRLBenchResult:
         return self.lossreduce_step_s / self.skyrl_step_s
 
 
-def _save_model(settings: SkyRLBenchSettings, folder: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(settings.seed)
-    config = Qwen2Config(
-        vocab_size=settings.vocab_size,
-        hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size,
-        num_hidden_layers=settings.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=settings.prompt_length + settings.max_response_length + 8,
-        tie_word_embeddings=False,
-        pad_token_id=_PAD,
-        eos_token_id=_EOS,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 @dataclass(frozen=True)
 class _Batch:
     data: Any  # TrainingInputBatch, advantages not yet divided
@@ -115,7 +92,7 @@ def _batch(settings: SkyRLBenchSettings) -> _Batch:
     rng = random.Random(settings.seed)
     n, p, r = settings.responses, settings.prompt_length, settings.max_response_length
     lengths = [rng.randrange(2, r + 1) for _ in range(n)]
-    sequences = torch.full((n, p + r), _PAD, dtype=torch.long)
+    sequences = torch.full((n, p + r), PAD, dtype=torch.long)
     attention = torch.zeros((n, p + r), dtype=torch.long)
     response_mask = torch.zeros((n, r), dtype=torch.long)
     for i, length in enumerate(lengths):
@@ -214,21 +191,20 @@ def run_skyrl_bench(settings: SkyRLBenchSettings | None = None) -> SkyRLBenchRes
         from lossreduce.trainer_worker.cpu_standins.skyrl.platform import install
 
         install()
-    times: dict[bool, list[float]] = {True: [], False: []}
     update = {True: _lossreduce_update, False: _stock_update}
     try:
         with tempfile.TemporaryDirectory(prefix="lossreduce-skyrl-bench-") as scratch:
-            model_dir = _save_model(settings, Path(scratch) / "model")
+            model_dir = save_qwen2(
+                Path(scratch) / "model",
+                settings,
+                max_positions=settings.prompt_length + settings.max_response_length + 8,
+                seed=settings.seed,
+                bos_token_id=None,  # no BOS, as this bench has always built it
+            )
             workers = {ours: _worker(settings, model_dir, ours) for ours in (True, False)}
             batch = _batch(settings)
-            for ours in (True, False):  # warm-up: each worker's first update
-                update[ours](workers[ours], batch)
             # ABBA update by update: both workers see the same load, caches and drift.
-            for _ in range(settings.rounds):
-                for ours in (True, False, False, True):
-                    started = time.perf_counter()
-                    update[ours](workers[ours], batch)
-                    times[ours].append(time.perf_counter() - started)
+            times = time_abba(lambda ours: update[ours](workers[ours], batch), settings.rounds)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lossreduce.bench.frameworks.abba import ABBA, EOS, save_qwen2
 from lossreduce.trainer_worker.integrations.settings import GRPOReductionSettings
 
 # At import, as the integration's package checks TRL's version: without TRL (or with an
@@ -31,8 +32,6 @@ from lossreduce.trainer_worker.integrations.trl import LossReduceGRPOTrainer
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 
 __all__ = ["TRLBenchResult", "TRLBenchSettings", "run_trl_bench"]
-
-_PAD, _EOS = 0, 1
 
 
 class TRLBenchSettings(BaseModel):
@@ -90,28 +89,6 @@ def _tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def _save_model(settings: TRLBenchSettings, folder: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(settings.seed)
-    config = Qwen2Config(
-        vocab_size=settings.vocab_size,
-        hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size,
-        num_hidden_layers=settings.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=settings.max_completion_length + 16,
-        tie_word_embeddings=False,
-        pad_token_id=_PAD,
-        eos_token_id=_EOS,
-        bos_token_id=_EOS,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 class _FixedRollout:
     """Completions drawn once per (prompt, generation): uneven lengths, fixed thereafter."""
 
@@ -121,7 +98,7 @@ class _FixedRollout:
         self.table = {
             (p, g): [
                 *(rng.randrange(2, settings.vocab_size) for _ in range(n - 1)),
-                _EOS,
+                EOS,
             ]
             for p in range(settings.prompts)
             for g in range(settings.num_generations)
@@ -220,12 +197,17 @@ def run_trl_bench(
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     with tempfile.TemporaryDirectory(prefix="lossreduce-trl-bench-") as scratch:
         root = workdir or Path(scratch)
-        _save_model(settings, root / "model")
+        save_qwen2(
+            root / "model",
+            settings,
+            max_positions=settings.max_completion_length + 16,
+            seed=settings.seed,
+        )
         ours, our_seconds = _build(settings, root, lossreduce=True)
         theirs, their_seconds = _build(settings, root, lossreduce=False)
         for _ in range(settings.blocks):
-            for trainer in (ours, theirs, theirs, ours):
-                trainer.train()
+            for lossreduce in ABBA:
+                (ours if lossreduce else theirs).train()
         ours.close()
     return TRLBenchResult(
         lossreduce_step_s=statistics.median(our_seconds),

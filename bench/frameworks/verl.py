@@ -24,7 +24,6 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,13 +31,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lossreduce.bench.frameworks.abba import PAD, save_qwen2, time_abba
 from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode
 
 __all__ = ["VerlBenchResult", "VerlBenchSettings", "run_verl_bench"]
-
-_PAD, _EOS = 0, 1
 
 
 class VerlBenchSettings(BaseModel):
@@ -98,28 +96,6 @@ class VerlBenchResult:
         return self.lossreduce_step_s / self.verl_step_s
 
 
-def _save_model(settings: VerlBenchSettings, folder: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(settings.seed)
-    config = Qwen2Config(
-        vocab_size=settings.vocab_size,
-        hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size,
-        num_hidden_layers=settings.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=settings.prompt_length + settings.max_response_length + 8,
-        tie_word_embeddings=False,
-        pad_token_id=_PAD,
-        eos_token_id=_EOS,
-        bos_token_id=_EOS,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 def _batch(settings: VerlBenchSettings) -> Any:
     """One mini-batch in the layout verl's trainer hands ``update_actor``."""
     import torch
@@ -129,7 +105,7 @@ def _batch(settings: VerlBenchSettings) -> Any:
 
     rng = random.Random(settings.seed)
     n, p, r = settings.responses, settings.prompt_length, settings.max_response_length
-    ids = torch.full((n, p + r), _PAD, dtype=torch.long)
+    ids = torch.full((n, p + r), PAD, dtype=torch.long)
     attention = torch.zeros((n, p + r), dtype=torch.long)
     for i in range(n):
         length = rng.randrange(2, r + 1)
@@ -270,22 +246,20 @@ def run_verl_bench(settings: VerlBenchSettings | None = None) -> VerlBenchResult
         # verl's Megatron engine on the CPU stand-ins (installed on import).
         import lossreduce.trainer_worker.cpu_standins.verl.megatron  # noqa: F401
     owned = _init_process_group()
-    times: dict[bool, list[float]] = {True: [], False: []}
     try:
         with tempfile.TemporaryDirectory(prefix="lossreduce-verl-bench-") as scratch:
-            model_dir = _save_model(settings, Path(scratch) / "model")
+            model_dir = save_qwen2(
+                Path(scratch) / "model",
+                settings,
+                max_positions=settings.prompt_length + settings.max_response_length + 8,
+                seed=settings.seed,
+            )
             workers = {ours: _worker(settings, model_dir, ours) for ours in (True, False)}
             batch = _batch(settings)
-            for ours in (True, False):  # warm-up: each engine's first step
-                workers[ours].train_mini_batch(batch.clone())
-            # ABBA step by step: both workers see the same load, caches and drift
-            # (runs of several steps in a row measured up to 9% apart on a quiet machine
-            # with identical work, whichever came first).
-            for _ in range(settings.rounds):
-                for ours in (True, False, False, True):
-                    started = time.perf_counter()
-                    workers[ours].train_mini_batch(batch.clone())
-                    times[ours].append(time.perf_counter() - started)
+            # ABBA step by step: both workers see the same load, caches and drift.
+            times = time_abba(
+                lambda ours: workers[ours].train_mini_batch(batch.clone()), settings.rounds
+            )
     finally:
         if settings.strategy == "megatron":
             from megatron.core import parallel_state as mpu

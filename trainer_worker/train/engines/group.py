@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import ray
 import torch
@@ -24,7 +25,14 @@ from lossreduce.trainer_worker.train.worker_group import (
 if TYPE_CHECKING:
     from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
 
-__all__ = ["GroupEngine", "join_group", "rank_gradients", "sample_step"]
+__all__ = [
+    "GroupEngine",
+    "ShardedEngine",
+    "ShardedStepResult",
+    "join_group",
+    "rank_gradients",
+    "sample_step",
+]
 
 
 class GroupEngine:
@@ -83,6 +91,66 @@ class GroupEngine:
         """End the workers, if any were started."""
         if self._workers is not None:
             self._workers.shutdown(graceful)
+
+
+class ShardedStepResult(Protocol):
+    """What :class:`ShardedEngine` reads of a rank's report after a step."""
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the step had nothing to train."""
+        ...
+
+
+ResultT = TypeVar("ResultT", bound=ShardedStepResult)
+
+
+class ShardedEngine(GroupEngine, ABC, Generic[ResultT]):
+    """A :class:`GroupEngine` on the built-in task whose step trains the workers' sampled
+    batch on every rank at once (:meth:`_train_step`: one result per rank) and records it
+    with ``record(step, batch, reward, results, seconds)`` (``seconds``: the step's wall
+    time, sampling included): the verl and AReaL engines.
+
+    One place for what their ``train`` and ``--verify`` do alike, so that the engines'
+    steps, and the step 0 that ``--verify`` compares, cannot drift apart.
+    """
+
+    def __init__(
+        self,
+        settings: TrainSettings,
+        job: str,
+        out_dir: Path,
+        *,
+        record: Callable[[int, RolloutBatch, float, Sequence[ResultT], float], StepRecord],
+    ) -> None:
+        super().__init__(settings, job, out_dir)
+        self.task = DigitTask(settings.prompt_len, settings.response_len, settings.max_step)
+        self._record = record
+
+    def train(self, observers: Sequence[StepObserver]) -> None:
+        """``--steps`` sampled steps (:meth:`GroupEngine._train_sampled`)."""
+        self._train_sampled(self.task, observers, self._recorded_step)
+
+    def _recorded_step(
+        self, step: int, batch: RolloutBatch, reward: float, started: float
+    ) -> StepRecord:
+        results = self._train_step(batch, step)
+        return self._record(step, batch, reward, results, time.perf_counter() - started)
+
+    def _verified_step(self) -> tuple[RolloutBatch, list[ResultT]]:
+        """``--verify``'s step 0 on the workers, each keeping its gradients: the batch and
+        the ranks' results, or :class:`TrainingFailedError` when it had nothing to train
+        (no gradients to compare)."""
+        batch, _ = sample_step(self.settings, self.task, self.workers, 0)
+        results = self._train_step(batch, 0, capture=True)
+        if results[0].skipped:
+            raise TrainingFailedError("--verify: step 0 was empty; try another --seed")
+        return batch, results
+
+    @abstractmethod
+    def _train_step(self, batch: RolloutBatch, step: int, capture: bool = False) -> list[ResultT]:
+        """``step`` on every rank, each on its share of ``batch`` (``capture``: each keeps
+        its gradients): the ranks' results in rank order."""
 
 
 def sample_step(

@@ -16,7 +16,6 @@ saw (:func:`~lossreduce.trainer_worker.train.verify.compare_gradients`).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,9 @@ from lossreduce.trainer_worker.train.engines.areal.worker import (
     ArealWorkerConfig,
 )
 from lossreduce.trainer_worker.train.engines.base import WorkerCluster
-from lossreduce.trainer_worker.train.engines.group import GroupEngine, sample_step
-from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
+from lossreduce.trainer_worker.train.engines.group import ShardedEngine
+from lossreduce.trainer_worker.train.outputs import StepRecord
 from lossreduce.trainer_worker.train.rollouts import RolloutBatch, shard_batch
-from lossreduce.trainer_worker.train.task import DigitTask
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport, compare_gradients
 from lossreduce.trainer_worker.train.worker_group import (
@@ -47,7 +45,7 @@ from lossreduce.trainer_worker.train.worker_group import (
 __all__ = ["ArealEngine"]
 
 
-class ArealEngine(GroupEngine):
+class ArealEngine(ShardedEngine[ArealStepResult]):
     """:class:`~lossreduce.trainer_worker.train.engines.base.Engine` of ``--engine areal``.
 
     Built on the driver before Ray starts: the built-in policy is saved to
@@ -55,8 +53,7 @@ class ArealEngine(GroupEngine):
     """
 
     def __init__(self, settings: TrainSettings, job: str, out_dir: Path) -> None:
-        super().__init__(settings, job, out_dir)
-        self.task = DigitTask(settings.prompt_len, settings.response_len, settings.max_step)
+        super().__init__(settings, job, out_dir, record=_record)
         self.model_path = save_policy(settings, (out_dir / "model").resolve())
 
     def start(self, cluster: WorkerCluster) -> None:
@@ -73,21 +70,9 @@ class ArealEngine(GroupEngine):
             f"tiny Qwen2 ({self.model_path})"
         )
 
-    def train(self, observers: Sequence[StepObserver]) -> None:
-        self._train_sampled(self.task, observers, self._recorded_step)
-
-    def _recorded_step(
-        self, step: int, batch: RolloutBatch, reward: float, started: float
-    ) -> StepRecord:
-        results = self._train_step(batch, step)
-        return _record(step, batch, reward, results, time.perf_counter() - started)
-
     def verify(self) -> VerifyReport:
         workers = self.workers
-        batch, _ = self._rollouts(0)
-        results = self._train_step(batch, 0, capture=True)
-        if results[0].skipped:
-            raise TrainingFailedError("--verify: step 0 was empty; try another --seed")
+        batch, results = self._verified_step()
         (distributed,) = workers.gather([workers.handles[0].gradients.remote()], "gradients", 0)
         single, single_loss = self._replay(batch)
         return compare_gradients(
@@ -114,10 +99,6 @@ class ArealEngine(GroupEngine):
             model_path=self.model_path,
             settings=self.settings,
         )
-
-    def _rollouts(self, step: int) -> tuple[RolloutBatch, float]:
-        """Sample on every worker (each gets prompts: flags.py), score, filter."""
-        return sample_step(self.settings, self.task, self.workers, step)
 
     def _train_step(
         self, batch: RolloutBatch, step: int, capture: bool = False

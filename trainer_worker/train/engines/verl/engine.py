@@ -8,7 +8,8 @@ step's prompts, the driver scores and filters them and computes the GRPO
 advantages (:func:`~lossreduce.trainer_worker.train.engines.group.sample_step`),
 shards whole prompt groups over the ranks balancing tokens, and every rank
 trains one verl PPO mini-batch on its shard. A dead, failing or hung rank ends
-the run with :class:`TrainingFailedError` naming it.
+the run with
+:class:`~lossreduce.trainer_worker.train.worker_group.TrainingFailedError` naming it.
 
 ``--verify`` trains one step on the workers, keeps their gradients (after
 verl's data-parallel average), then trains the same batch on one
@@ -19,7 +20,6 @@ normalizer) and compares the gradients.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +28,7 @@ import torch
 
 from lossreduce.ports import LOOPBACK, free_port
 from lossreduce.trainer_worker.train.engines.base import WorkerCluster
-from lossreduce.trainer_worker.train.engines.group import GroupEngine, rank_gradients, sample_step
+from lossreduce.trainer_worker.train.engines.group import ShardedEngine, rank_gradients
 from lossreduce.trainer_worker.train.engines.verl.worker import (
     VerlStepResult,
     VerlWorker,
@@ -36,19 +36,15 @@ from lossreduce.trainer_worker.train.engines.verl.worker import (
     padded_rows,
 )
 from lossreduce.trainer_worker.train.hf_policy import save_task_qwen2
-from lossreduce.trainer_worker.train.outputs import StepObserver, StepRecord
+from lossreduce.trainer_worker.train.outputs import StepRecord
 from lossreduce.trainer_worker.train.rollouts import RolloutBatch, shard_groups
-from lossreduce.trainer_worker.train.task import DigitTask
 from lossreduce.trainer_worker.train.train_settings import TrainSettings
 from lossreduce.trainer_worker.train.verify import VerifyReport, compare_gradients
-from lossreduce.trainer_worker.train.worker_group import (
-    TrainingFailedError,
-)
 
 __all__ = ["VerlEngine"]
 
 
-class VerlEngine(GroupEngine):
+class VerlEngine(ShardedEngine[VerlStepResult]):
     """:class:`~lossreduce.trainer_worker.train.engines.base.Engine` of ``--engine verl``.
 
     Built on the driver before Ray starts: the built-in tiny Qwen2 is saved under
@@ -56,8 +52,7 @@ class VerlEngine(GroupEngine):
     """
 
     def __init__(self, settings: TrainSettings, job: str, out_dir: Path) -> None:
-        super().__init__(settings, job, out_dir)
-        self.task = DigitTask(settings.prompt_len, settings.response_len, settings.max_step)
+        super().__init__(settings, job, out_dir, record=_record)
         self.model_dir = save_task_qwen2(settings, (out_dir / "model").resolve())
 
     def start(self, cluster: WorkerCluster) -> None:
@@ -85,21 +80,9 @@ class VerlEngine(GroupEngine):
             f"built-in tiny Qwen2 ({self.model_dir}), rollouts from the job's sampler"
         )
 
-    def train(self, observers: Sequence[StepObserver]) -> None:
-        self._train_sampled(self.task, observers, self._recorded_step)
-
-    def _recorded_step(
-        self, step: int, batch: RolloutBatch, reward: float, started: float
-    ) -> StepRecord:
-        results = self._train_step(batch, step)
-        return _record(step, batch, reward, results, time.perf_counter() - started)
-
     def verify(self) -> VerifyReport:
         workers = self.workers
-        batch, _ = sample_step(self.settings, self.task, workers, 0)
-        results = self._train_step(batch, 0, capture=True)
-        if results[0].skipped:
-            raise TrainingFailedError("--verify: step 0 was empty; try another --seed")
+        batch, results = self._verified_step()
         gradients = rank_gradients(workers, 0)
         single, single_result = self._replay(batch)
         return compare_gradients(
