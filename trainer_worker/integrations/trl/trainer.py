@@ -17,7 +17,16 @@ and gradient-accumulation micro-steps. This trainer keeps TRL's per-token loss
    ``num_processes * sum(w_i * l * m) / N``, with gradient accumulation and
    the processes' gradient averaging accounted for, so the update of one
    optimizer step is the formula of docs/reduction-semantics.md over that
-   step's completions however TRL split them.
+   step's completions however TRL split them. ``sapo``, whose per-token loss
+   TRL computes only in its per-sequence-mean branch, has that branch's
+   division undone row by row through the advantage (with ``beta == 0``; a
+   scalar beta cannot undo it for the KL, so other values are refused).
+
+Every loss type's own division is a lossreduce mode (``options.own_division``:
+``luspo`` is ``constant`` with divisor 1, ``dr_grpo`` ``constant`` with
+``max_completion_length``, ``grpo`` and ``sapo`` ``seq_mean``, the others
+``token_mean``); where ``mode`` is another, the trainer says so once at
+construction (a warning when the mode is the default nobody chose).
 
 The rounds of every optimizer step of a generation batch start together,
 right after the split, and each is waited for only when its step first
@@ -50,6 +59,7 @@ never imports TRL, only this module does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -63,7 +73,9 @@ from lossreduce.trainer_worker.integrations.trl.options import (
     ENTROPY_TERM,
     KL_TERM,
     POLICY_TERM,
+    ROW_MEAN,
     check_trl_version,
+    division_notice,
     reduction_settings,
     refuse_coordinator_without_ray,
     refuse_unsupported,
@@ -92,6 +104,8 @@ __all__ = ["LossReduceGRPOTrainer"]
 
 _GROUP_KEY = "lossreduce_group"  # [B] prompt group of each row, over the whole generation batch
 _PLAN_KEY = "lossreduce_plan"  # the micro-step's MicroStep, added after the split
+
+_log = logging.getLogger(__name__)
 
 check_trl_version(trl.__version__)
 
@@ -193,9 +207,20 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
                 group=self.reduction_settings.group,
             )
         self.policy_reduction: PolicyGradientReduction = self.reduction_settings.reduction
+        self._announce_division()
         self.skipped_steps = 0
         self._open_windows: list[Window] = []
         self.add_callback(_CloseClient(self))
+
+    def _announce_division(self) -> None:
+        """Say once, on the main process, which division the run gets where it is not
+        its loss type's own: a warning where the mode is the default nobody chose (e.g.
+        ``luspo`` silently divided by tokens instead of completions), else an info line."""
+        notice = division_notice(self.args, self.reduction_settings, self.reduction_job)
+        if notice is None or not self.accelerator.is_main_process:
+            return
+        chosen = "mode" in self.reduction_settings.model_fields_set
+        _log.log(logging.INFO if chosen else logging.WARNING, notice)
 
     # -- the normalizer backend ------------------------------------------------------
 
@@ -445,13 +470,22 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         TRL's token-sum branch computes ``sum((pg + beta * kl) * m) / D`` with
         ``D = num_items_in_batch / P * GA / steps_per_generation`` and subtracts
         ``coef * sum(H * m) / max(sum(m), 1) / GA``. With the advantages
-        scaled by ``w_i >= 0`` (the clipped, cispo and vespo per-token losses
+        scaled by ``w_i >= 0`` (the clipped, cispo, vespo and sapo per-token losses
         are positively homogeneous in the advantage), ``num_items_in_batch``
         set so that ``D = N_pg / P``, ``beta`` scaled by ``N_pg / N_kl`` and
         ``coef`` by ``P * GA * max(sum(m), 1) / N_entropy``, that is exactly
         ``P * (sum(w * pg * m) / N_pg + beta * sum(kl * m) / N_kl
         - coef * sum(H * m) / N_entropy)``; the processes' gradient average
         divides the P back out.
+
+        ``sapo`` (:data:`ROW_MEAN`) runs in TRL's per-sequence branch, which
+        ignores ``num_items_in_batch`` and divides row i by ``max(D_i, 1)``, the
+        micro-step's mean over its B rows by GA: each row's advantage is also
+        scaled by ``max(D_i, 1) * B * GA``, so TRL returns ``sum(w * pg * m)``
+        (a divisor of 1, as deferred), and the loss is divided by :meth:`_divisor`
+        here, with ``coef`` scaled by that divisor too (``beta`` is 0: refused
+        otherwise). Deferred or not, the policy term goes through the same float
+        operations, so a forward run during the round stays bit-identical.
         """
         processes = self.accelerator.num_processes
         ga = self.current_gradient_accumulation_steps
@@ -461,7 +495,16 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         # exactly 1.0 and dividing by it changes no bit.
         n_pg = normalizers[POLICY_TERM] if normalizers is not None else float(processes)
         advantages = inputs["advantages"]
-        scale = weights.to(device=advantages.device, dtype=advantages.dtype)  # [B]
+        scale = weights  # [B] float64, on the host (plan_rows)
+        after: Tensor | None = None  # the divisor applied after TRL's loss (ROW_MEAN)
+        if self.loss_type in ROW_MEAN:
+            # [B]: TRL's per-row divisor; whole token counts, exact in float64 on the
+            # host (some accelerators have no float64).
+            tokens = loss_mask(inputs).sum(-1).to("cpu", torch.float64).clamp(min=1.0)
+            scale = scale * tokens * float(tokens.size(0) * ga)
+            if normalizers is not None:
+                after = self._divisor(n_pg, advantages.device)
+        scale = scale.to(device=advantages.device, dtype=advantages.dtype)
         inputs["advantages"] = advantages * (scale if advantages.dim() == 1 else scale[:, None])
         inputs["num_items_in_batch"] = torch.tensor(
             n_pg * spg / ga, dtype=torch.float64, device=advantages.device
@@ -477,16 +520,19 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
                 assert not self._entropy_bonus_enabled, "a deferred loss has no entropy term"
             else:
                 if self.beta != 0.0:
+                    # refuse_unsupported keeps row_mean types at beta == 0.
                     self.beta = saved[1] * n_pg / normalizers[KL_TERM]
                 if self._entropy_bonus_enabled:
                     local_tokens = max(float(loss_mask(inputs).sum()), 1.0)
                     self.entropy_coef = (
                         saved[2] * processes * ga * local_tokens / normalizers[ENTROPY_TERM]
                     )
+                    if after is not None:
+                        self.entropy_coef *= float(after)  # divided back out below
             loss: Tensor = super()._compute_loss(model, inputs)
         finally:
             self.loss_type, self.beta, self.entropy_coef = saved
         coef_log = self._metrics["train"].get("entropy_coef")
         if coef_log is not None and len(coef_log) > logged:
             coef_log[-1] = self.entropy_coef  # TRL logged the scaled coefficient
-        return loss
+        return loss if after is None else loss / after

@@ -42,8 +42,13 @@ MODES: dict[str, float | None] = {
     "prompt_mean": None,
     "constant": float(tiny_grpo.MAX_COMPLETION),
 }
-TRL_LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"]
+# The mode cases' loss type -> (prefix of their names, beta): sapo's KL is refused.
+FORMULA_CASES = {"dapo": ("", 0.05), "sapo": ("sapo-", 0.0)}
+TRL_LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ENTROPY = 0.1
+# Where stock TRL and lossreduce divide by the same count: no KL (TRL divides it as the
+# policy term), no entropy bonus, no masked completion (TRL counts masked rows).
+SAME_COUNT: dict[str, Any] = {"beta": 0.0, "entropy_coef": 0.0, "mask_truncated": False}
 
 LAYOUTS = {
     "1x1": Layout("1x1", processes=1, per_device=12, accumulation=1, steps_per_generation=1),
@@ -56,6 +61,8 @@ LAYOUTS = {
 UPDATE_RTOL = 1e-5
 """max |update - reference update| / max |reference update|: float32 reordering
 is ~1e-7 here; a wrong normalizer is off by tens of percent."""
+OWN_RTOL = 1e-6
+"""The same against stock TRL's own update, measured at most 3.6e-7."""
 
 
 def mode_cases() -> list[Case]:
@@ -67,6 +74,23 @@ def trl_cases() -> list[Case]:
         Case(name=f"trl-{lt}-H{h}", trainer="trl", loss_type=lt, entropy_coef=h)
         for lt in TRL_LOSS_TYPES
         for h in (0.0, ENTROPY)
+    ]
+
+
+def own_division_cases() -> list[Case]:
+    """Every loss type in its own division, lossreduce's (``own-``) and stock TRL's
+    (``stock-``, one process), where both divide by the same count."""
+    return [
+        Case(name=f"own-{lt}", loss_type=lt, mode=mode, divisor=divisor, **SAME_COUNT)
+        for lt, (mode, divisor) in tiny_grpo.OWN_DIVISION.items()
+    ]
+
+
+def sapo_cases() -> list[Case]:
+    """sapo (beta=0, its KL refused) in every mode with the entropy bonus."""
+    return [
+        Case(name=f"sapo-{m}", loss_type="sapo", mode=m, divisor=d, beta=0.0)
+        for m, d in MODES.items()
     ]
 
 
@@ -83,11 +107,14 @@ def reuse_case() -> Case:
 
 def overlap_cases() -> list[Case]:
     """The policy-gradient term alone (beta=0, no entropy): the first forward of a
-    step may run while its round is in flight; the same run without that."""
+    step may run while its round is in flight; the same run without that (also for
+    sapo, whose division is undone per row)."""
     pg_only: dict[str, Any] = {"mode": "prompt_mean", "beta": 0.0, "entropy_coef": 0.0}
     return [
         Case(name="overlap", **pg_only),
         Case(name="no-overlap", overlap=False, **pg_only),
+        Case(name="sapo-overlap", loss_type="sapo", **pg_only),
+        Case(name="sapo-no-overlap", loss_type="sapo", overlap=False, **pg_only),
         empty_case("overlap-empty-raise", on_empty_step="raise", **pg_only),
         empty_case("overlap-empty-skip", on_empty_step="skip", **pg_only),
     ]
@@ -95,17 +122,28 @@ def overlap_cases() -> list[Case]:
 
 def cases_for(layout: str, target: str) -> list[Case]:
     if layout == "1x1":
-        return [*trl_cases(), reuse_case()] + [
+        return [
+            *trl_cases(),
+            reuse_case(),
+            *[
+                Case(name=f"stock-{lt}", trainer="trl", loss_type=lt, **SAME_COUNT)
+                for lt in tiny_grpo.OWN_DIVISION
+            ],
+            # luspo in the default token_mean, against stock luspo (trl-luspo-H0.0).
+            Case(name="luspo-token_mean", loss_type="luspo", entropy_coef=0.0),
+        ] + [
             empty_case(f"trl-{lt}-empty", trainer="trl", loss_type=lt, beta=0.0, entropy_coef=0.0)
             for lt in TRL_LOSS_TYPES
         ]
     if layout == "1x4":
-        return [*mode_cases(), *trl_cases(), reuse_case()]
+        return [*mode_cases(), *trl_cases(), reuse_case(), *own_division_cases(), *sapo_cases()]
     if layout == "2x2":
         return [
             *mode_cases(),
             reuse_case(),
             *trl_cases(),
+            *own_division_cases(),
+            *sapo_cases(),
             *overlap_cases(),
             Case(
                 name="coordinator-overlap",
@@ -123,7 +161,11 @@ def cases_for(layout: str, target: str) -> list[Case]:
                 coordinator=target,
             ),
         ]
-    return [*mode_cases(), Case(name="trl-dapo-H0.0", trainer="trl", entropy_coef=0.0)]
+    return [
+        *mode_cases(),
+        *sapo_cases(),
+        Case(name="trl-dapo-H0.0", trainer="trl", entropy_coef=0.0),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -172,15 +214,28 @@ def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return tiny_grpo.relative_error(got, want)
 
 
+def norm(update: dict[str, torch.Tensor]) -> float:
+    """The update's L2 norm over every parameter."""
+    return math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
+
+
 # -- partition invariance --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("loss_type", list(FORMULA_CASES))
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("layout", ["1x4", "2x2", "2x1-spg2"])
 def test_one_optimizer_step_equals_the_formula_whatever_the_split(
-    results: Callable[[str], list[dict[str, Any]]], model_dir: Path, layout: str, mode: str
+    results: Callable[[str], list[dict[str, Any]]],
+    model_dir: Path,
+    layout: str,
+    mode: str,
+    loss_type: str,
 ) -> None:
-    per_rank = case_results(results, layout, mode)
+    """sapo's gradient at ratio 1 is the clipped loss's, -A * grad(log p), so the same
+    reference holds for it (with beta=0: its KL is refused)."""
+    prefix, beta = FORMULA_CASES[loss_type]
+    per_rank = case_results(results, layout, prefix + mode)
     # The completions the first optimizer step trained on, over every process
     # (with steps_per_generation=2 and no accumulation: half the generation batch).
     rows = [tiny_grpo.Row(p, g) for r in per_rank for p, g in r["rows"]]
@@ -192,12 +247,12 @@ def test_one_optimizer_step_equals_the_formula_whatever_the_split(
         mode=mode,
         divisor=MODES[mode],
         lr=LR,
-        beta=0.05,
+        beta=beta,
         entropy_coef=ENTROPY,
         mask_truncated=True,
     )
     for rank, result in enumerate(per_rank):
-        assert relative(result["update"], want) <= UPDATE_RTOL, (layout, mode, rank)
+        assert relative(result["update"], want) <= UPDATE_RTOL, (layout, loss_type, mode, rank)
         for name, delta in want.items():
             expected = result["before"][name] + delta
             got = result["before"][name] + result["update"][name]
@@ -242,6 +297,10 @@ TRL_SPLIT_INVARIANT = {
     ("cispo", ENTROPY): False,
     ("sapo", 0.0): True,
     ("sapo", ENTROPY): False,
+    ("luspo", 0.0): True,
+    ("luspo", ENTROPY): False,
+    ("vespo", 0.0): True,
+    ("vespo", ENTROPY): False,
 }
 
 
@@ -259,6 +318,36 @@ def test_trl_loss_types_split_invariance_as_measured(
             ]
             measured[lt, h] = max(errors) <= UPDATE_RTOL
     assert measured == TRL_SPLIT_INVARIANT
+
+
+@pytest.mark.parametrize("loss_type", list(tiny_grpo.OWN_DIVISION))
+@pytest.mark.parametrize("layout", ["1x4", "2x2"])
+def test_each_loss_type_in_its_own_mode_gives_stock_trls_update(
+    results: Callable[[str], list[dict[str, Any]]], layout: str, loss_type: str
+) -> None:
+    """Where both divide by the same count, lossreduce in the mode of the loss type's own
+    division, split over micro-steps and processes, gives stock TRL's update of one
+    process and one micro-step: luspo in constant with divisor 1, sapo (its per-row
+    division undone through the advantage) in seq_mean, ..."""
+    (stock,) = case_results(results, "1x1", f"stock-{loss_type}")
+    for result in case_results(results, layout, f"own-{loss_type}"):
+        assert relative(result["update"], stock["update"]) <= OWN_RTOL, (layout, loss_type)
+    assert max(u.abs().max().item() for u in stock["update"].values()) > 0
+
+
+def test_luspo_in_the_default_token_mean_is_not_luspos_update(
+    results: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    """What the construction notice warns about: stock luspo divides its loss, KL
+    included, by the step's completions (masked ones too), the default token_mean by its
+    active tokens, so the whole update shrinks by completions / tokens (12 / 29 here)."""
+    (token_mean,) = case_results(results, "1x1", "luspo-token_mean")
+    (stock,) = case_results(results, "1x1", "trl-luspo-H0.0")
+    rows = tiny_grpo.all_rows()
+    tokens = sum(len(r.completion) for r in rows if not r.truncated)
+    ratio = norm(token_mean["update"]) / norm(stock["update"])
+    assert ratio == pytest.approx(len(rows) / tokens, rel=1e-5)
+    assert relative(token_mean["update"], stock["update"]) > 0.5
 
 
 def test_trl_dapo_guesses_the_step_token_count_when_a_generation_feeds_two_steps(
@@ -317,11 +406,14 @@ def test_empty_step_skipped_by_the_coordinator_leaves_weights_and_adam_state_bit
 # -- the round behind the first forward ---------------------------------------------------
 
 
+@pytest.mark.parametrize("prefix", ["", "sapo-"])
 def test_a_forward_run_during_the_round_gives_the_bit_identical_update(
-    results: Callable[[str], list[dict[str, Any]]],
+    results: Callable[[str], list[dict[str, Any]]], prefix: str
 ) -> None:
-    overlapped = case_results(results, "2x2", "overlap")
-    waited = case_results(results, "2x2", "no-overlap")
+    """(sapo's division is undone in its advantages and applied after TRL's loss, with
+    or without the overlap.)"""
+    overlapped = case_results(results, "2x2", f"{prefix}overlap")
+    waited = case_results(results, "2x2", f"{prefix}no-overlap")
     for got, want in zip(overlapped, waited, strict=True):
         assert [log["lossreduce/overlapped"] for log in got["logs"]] == [1.0]
         assert [log["lossreduce/overlapped"] for log in want["logs"]] == [0.0]

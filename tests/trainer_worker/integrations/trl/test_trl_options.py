@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -84,7 +86,12 @@ def test_a_trl_version_outside_the_tested_range_is_named(trl_module: Any) -> Non
 @pytest.mark.parametrize(
     ("option", "named"),
     [
-        ({"loss_type": "sapo"}, "loss_type='sapo'"),
+        (
+            {"loss_type": "sapo", "beta": 0.04},
+            "loss_type='sapo' with beta=0.04: TRL adds beta * KL to sapo's per-token loss and "
+            "divides each completion's sum by its own token count D_i",
+        ),
+        ({"loss_type": "sapo", "beta": 0.04}, "which would need beta * D_i / N_kl"),
         ({"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
         ({"use_adaptive_entropy": True}, "use_adaptive_entropy=True"),
         (
@@ -209,3 +216,112 @@ def test_the_refusal_names_a_run_known_before_the_trainer_is_built(
     assert str(err).startswith(
         "LossReduceGRPOTrainer (job 'trl-grpo-rdzv-7', run 'rdzv-7', group 'grpo'): "
     )
+
+
+# -- which division a run gets --------------------------------------------------------
+
+
+def _args(loss_type: str, max_completion_length: int = 6) -> Any:
+    """What own_division reads of a GRPOConfig."""
+    return SimpleNamespace(loss_type=loss_type, max_completion_length=max_completion_length)
+
+
+@trl_needed
+def test_each_loss_types_own_division_is_a_lossreduce_mode(trl_module: Any) -> None:
+    from lossreduce.trainer_worker.integrations.trl.options import division_notice, own_division
+    from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
+    from tests.trainer_worker.integrations.trl import tiny_grpo
+
+    for loss_type, (mode, divisor) in tiny_grpo.OWN_DIVISION.items():
+        args = _args(loss_type, tiny_grpo.MAX_COMPLETION)
+        want = PolicyGradientReduction(mode, divisor)
+        assert own_division(args).contract == want.contract, loss_type
+        settings = GRPOReductionSettings.model_validate({"mode": mode, "divisor": divisor})
+        assert division_notice(args, settings, "j") is None, loss_type
+
+
+@trl_needed
+def test_a_division_other_than_the_loss_types_own_is_named(trl_module: Any) -> None:
+    from lossreduce.trainer_worker.integrations.trl.options import division_notice
+
+    assert division_notice(_args("luspo"), GRPOReductionSettings(), "j") == (
+        "LossReduceGRPOTrainer (job 'j'): loss_type='luspo' divides its policy loss by the "
+        "step's completions (mode='constant', divisor=1); this run divides it by the step's tokens "
+        "(mode='token_mean', from its reduction settings), so the update is not luspo's own; "
+        "set mode='constant', divisor=1 to keep luspo's division"
+    )
+    dr_grpo = division_notice(
+        _args("dr_grpo", 256),
+        GRPOReductionSettings.model_validate({"mode": "constant", "divisor": 6.5}),
+        "j",
+    )
+    assert dr_grpo == (
+        "LossReduceGRPOTrainer (job 'j'): loss_type='dr_grpo' divides its policy loss by 256 x "
+        "the step's completions (mode='constant', divisor=256); this run divides it by 6.5 x the "
+        "step's completions "
+        "(mode='constant', divisor=6.5, from its reduction settings), so the update is not "
+        "dr_grpo's own; set mode='constant', divisor=256 to keep dr_grpo's division"
+    )
+    sapo = division_notice(
+        _args("sapo"), GRPOReductionSettings.model_validate({"mode": "prompt_mean"}), "j"
+    )
+    assert sapo is not None
+    assert (
+        "loss_type='sapo' divides its policy loss each completion by its own tokens, then by "
+        "the step's completions (mode='seq_mean')" in sapo
+    )
+    assert "this run divides it each prompt group by its own tokens, then by the step's" in sapo
+
+
+@trl_needed
+@pytest.mark.filterwarnings("ignore:.*experimental.*:UserWarning")
+def test_the_trainer_says_at_construction_which_division_it_uses(
+    trl_module: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A warning where the mode is the default nobody chose, an info line where it was
+    chosen, nothing where it is the loss type's own."""
+    from trl import GRPOConfig
+
+    from lossreduce.trainer_worker.integrations.trl.options import division_notice
+    from tests.trainer_worker.integrations.trl import tiny_grpo
+
+    monkeypatch.delenv("LOSSREDUCE_MODE", raising=False)
+    model = tiny_grpo.save_model(tmp_path / "model")
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=tiny_grpo.MAX_COMPLETION,
+        loss_type="luspo",
+    )
+    logger = "lossreduce.trainer_worker.integrations.trl.trainer"
+    seen: list[tuple[int, str]] = []
+    for reduction in (
+        {"job": "default"},
+        {"job": "chosen", "mode": "token_mean"},
+        {"job": "own", "mode": "constant", "divisor": 1},
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=logger):
+            trainer = trl_module.LossReduceGRPOTrainer(
+                str(model),
+                tiny_grpo.reward_func,
+                args=args,
+                train_dataset=tiny_grpo.dataset(),
+                processing_class=tiny_grpo.tokenizer(),
+                reduction=reduction,
+            )
+        trainer.close()
+        seen += [(r.levelno, r.getMessage()) for r in caplog.records if r.name == logger]
+    notice = division_notice(args, GRPOReductionSettings(), "{job}")
+    assert notice is not None
+    assert seen == [
+        (logging.WARNING, notice.format(job="default")),
+        (logging.INFO, notice.format(job="chosen")),
+    ]

@@ -51,6 +51,21 @@ SHORTER: dict[int, list[list[int]]] = {
     p: [c[1:] if c[-1] == EOS and len(c) > 2 else c for c in gens]
     for p, gens in COMPLETIONS.items()
 }
+# Each TRL loss type's own division of its policy loss as a lossreduce (mode, divisor),
+# read off TRL 1.16's _compute_loss: dapo, cispo and vespo divide by the step's tokens,
+# bnpo by the micro-step's; grpo and sapo each completion by its tokens, then by
+# completions; dr_grpo by max_completion_length x completions; luspo sums each
+# completion's tokens and averages over completions.
+OWN_DIVISION: dict[str, tuple[str, float | None]] = {
+    "dapo": ("token_mean", None),
+    "grpo": ("seq_mean", None),
+    "dr_grpo": ("constant", float(MAX_COMPLETION)),
+    "bnpo": ("token_mean", None),
+    "cispo": ("token_mean", None),
+    "sapo": ("seq_mean", None),
+    "luspo": ("constant", 1.0),
+    "vespo": ("token_mean", None),
+}
 REF_NOISE = 0.2
 """The reference model is the initial model plus this much seeded noise, so the
 KL term has a gradient at the first step."""
