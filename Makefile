@@ -31,7 +31,7 @@ venv_of = $(MAKE) --no-print-directory $(1)/.installed
 # checkout, and linked into the clone as $(2) (.venv-verl, ...) for commands by hand.
 use_env = $(call venv_of,$(1)) && $(call repoint,$(1)) && ln -sfn $(1) $(2)
 
-.PHONY: demo test test-all resolutions lint typecheck linked-tree docs pytest test-verl test-verl-megatron test-areal test-megatron test-skyrl test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
+.PHONY: demo test test-all static resolutions lint typecheck linked-tree docs pytest test-verl test-verl-megatron test-areal test-megatron test-skyrl test-matrix test-floor test-ceiling test-resolve proto install install-dev constraints bench clean
 
 # setuptools prints an "Editable installation" notice on every editable
 # install (a reminder that the source tree is imported in place, which is the
@@ -176,13 +176,22 @@ resolutions: $(VENV)/.installed-dev
 test-resolve: $(VENV)/.installed-dev
 	LOSSREDUCE_RESOLUTION=1 $(BIN)/pytest tests/install/test_resolution.py $(PYTEST_ARGS)
 
+# ruff, the strict docs build and mypy, one after another (docs and mypy share the linked
+# tree, which each rebuilds).
+static:
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory docs
+	$(MAKE) --no-print-directory typecheck
+
 # Frameworks whose pins conflict with ours run in environments of their own. They are
 # independent of each other and of the matrix cells (own venvs, own Ray sessions,
 # loopback ports picked free), so they run side by side, each target's output kept
-# together, the longest (verl's) first and the main suite beside it: one queue of two
-# slots keeps both cores busy to the end.
-test: lint docs typecheck
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl pytest test-skyrl \
+# together: one queue of two slots keeps both cores busy to the end. The static checks
+# (one core, 2 to 3 minutes) run first beside verl's lane, the longest, whose environment
+# builds meanwhile; the main suite follows them. A failed job fails `make test`, and the
+# queue goes on (-k) so that one run reports every lane.
+test:
+	$(MAKE) --no-print-directory -j2 -k --output-sync=target static test-verl pytest test-skyrl \
 		test-areal test-verl-megatron test-megatron test-matrix
 
 # Everything `make test` runs, the checks marked `extended` (each repeats, for the same
