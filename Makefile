@@ -189,8 +189,10 @@ static:
 # together: one queue of two slots keeps both cores busy to the end. The static checks
 # (one core, 2 to 3 minutes) run first beside verl's lane, the longest, whose environment
 # builds meanwhile; the main suite follows them. A failed job fails `make test`, and the
-# queue goes on (-k) so that one run reports every lane.
-test:
+# queue goes on (-k) so that one run reports every lane. .venv is built before the queue:
+# left to the queue, the main suite waited on it while the static checks built it, and make
+# then ran the suite last, alone, after every other lane.
+test: $(VENV)/.installed-dev
 	$(MAKE) --no-print-directory -j2 -k --output-sync=target static test-verl pytest test-skyrl \
 		test-areal test-verl-megatron test-megatron test-matrix
 
