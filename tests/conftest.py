@@ -14,8 +14,8 @@
 - ``flag_error(main, argv, capsys, prog)``: run a command's ``main`` on bad flags,
   check it exits 2 with one line ``PROG: error: ...``, return that message.
 
-A run that leaves no thread but the main one (and daemon threads) ends with its own exit
-status without the interpreter's teardown (:func:`pytest_unconfigure`).
+A run ends with its own exit status without the interpreter's teardown, naming any
+non-daemon thread a test left running (:func:`pytest_unconfigure`).
 
 A test marked ``extended`` repeats, for the same framework, what another check of
 ``make test`` already shows (a second kill-and-resume variant of a launch): it is
@@ -152,35 +152,26 @@ def _threads_left() -> list[threading.Thread]:
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Once every report is written, end the process with the run's status, skipping
-    the interpreter's teardown, if the tests left no thread but the main one and daemon
-    threads.
+    the interpreter's teardown.
 
     One process here loads Ray's core worker, grpcio and torch, each with a gRPC or
     C++ runtime of its own, and their static destructors at exit run in no set
-    order: the floor cell (Python 3.10, grpcio 1.72.1, Ray 2.57.1) once died of
-    SIGSEGV there, after all its tests had passed, with only the main thread alive.
-    A non-daemon thread a test left running means something was not stopped, so then
-    the teardown runs as usual (and ``PYTHONFAULTHANDLER``, which the Makefile sets,
-    prints each thread's stack if it crashes). Daemon threads do not count: the
-    interpreter never waits for them, and libraries start them for good (tqdm's
-    monitor, which the frameworks' progress bars start, lives until exit). With them
-    counted, verl's lane on a fresh clone ran the teardown and died there of SIGSEGV,
-    printing no stack, after all its tests had passed: the left threads' names are
-    now printed first. ``LOSSREDUCE_TEST_TEARDOWN=full`` always runs it.
+    order: the teardown died of SIGSEGV, printing no stack, after every test had
+    passed, in the floor cell (Python 3.10, grpcio 1.72.1, Ray 2.57.1) once and in
+    verl's lane on a fresh clone once. A thread still running then helps nobody: the
+    teardown would join a non-daemon one (an idle executor's worker, which AReaL's
+    suite leaves), or hang on a stuck one. Its name is printed instead, so that what
+    a test did not stop shows. ``LOSSREDUCE_TEST_TEARDOWN=full`` runs the teardown
+    (``PYTHONFAULTHANDLER``, which the Makefile sets, prints each thread's stack if
+    it crashes).
     """
     status = config.stash.get(_EXIT_STATUS, None)
-    if status is None:
+    if status is None or os.environ.get("LOSSREDUCE_TEST_TEARDOWN") == "full":
         return
     left = _threads_left()
     if left:
         names = ", ".join(sorted(t.name for t in left))
-        print(
-            f"conftest: threads left running ({names}): the interpreter's teardown runs",
-            file=sys.stderr,
-        )
-        return
-    if os.environ.get("LOSSREDUCE_TEST_TEARDOWN") == "full":
-        return
+        print(f"conftest: threads left running at exit: {names}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
