@@ -146,7 +146,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def _threads_left() -> list[threading.Thread]:
     """The non-daemon threads still running besides the main one."""
     main = threading.main_thread()
-    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+    return [t for t in threading.enumerate() if t is not main and not t.daemon]
 
 
 @pytest.hookimpl(trylast=True)
