@@ -36,6 +36,13 @@
 #      (the launch of docs/frameworks/verl.md) on one CUDA rank, generation from
 #      lossreduce's CPU rollout, 3 GRPO steps, one coordinator round per mini-batch
 #      (scripts/gpu_check_verl_main_ppo.py).
+#   7. skyrl-megatron-refused: SkyRL 0.4.0's Megatron backend, which lossreduce refuses
+#      (docs/frameworks/skyrl.md, "Not done"): in an environment with skyrl[megatron]
+#      (Transformer Engine, Megatron-Core, Megatron-Bridge; CUDA torch), SkyRL's Megatron
+#      worker module imports (the blocker on CPU), and a launch with
+#      trainer.strategy=megatron is still refused by lossreduce's check before Ray starts;
+#      runs with SKYRL_MEGATRON_PYTHON (default .venv-skyrl-megatron/bin/python), skipped
+#      if absent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv-verl/bin/python}
@@ -89,5 +96,25 @@ if [ -x "$VERL_MEGATRON_PYTHON" ]; then
   [ -f "$OUT/verl-megatron.json" ] && cat "$OUT/verl-megatron.json"
 else
   echo "SKIP verl-megatron-cuda: no verl Megatron environment at $VERL_MEGATRON_PYTHON"
+fi
+SKYRL_MEGATRON_PYTHON=${SKYRL_MEGATRON_PYTHON:-.venv-skyrl-megatron/bin/python}
+if [ -x "$SKYRL_MEGATRON_PYTHON" ]; then
+  check skyrl-megatron-refused "$SKYRL_MEGATRON_PYTHON" -c '
+import importlib
+
+importlib.import_module("skyrl.backends.skyrl_train.workers.megatron.megatron_worker")
+from lossreduce.errors import ReductionConfigError
+from lossreduce.trainer_worker.integrations.skyrl.entrypoint import prepared_config
+
+try:
+    prepared_config(["trainer.strategy=megatron"])
+except ReductionConfigError as err:
+    assert "trainer.strategy=" in str(err), err
+    print("refused:", err)
+else:
+    raise SystemExit("trainer.strategy=megatron was not refused")
+'
+else
+  echo "SKIP skyrl-megatron-refused: no SkyRL Megatron environment at $SKYRL_MEGATRON_PYTHON"
 fi
 exit $failed

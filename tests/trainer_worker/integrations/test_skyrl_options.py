@@ -77,7 +77,9 @@ def test_the_divisor_goes_to_every_term_in_constant_and_only_there() -> None:
     ("fields", "message"),
     [
         ({"kl_mode": "constant"}, "kl_mode='constant' needs divisor=C"),
-        ({"divisor": 4}, "divisor=4.0 is only valid when mode, kl_mode or entropy_mode"),
+        ({"divisor": 4}, "divisor=4.0 is only valid when mode, kl_mode, entropy_mode or critic"),
+        ({"critic_mode": "constant"}, "critic_mode='constant' needs divisor=C"),
+        ({"critic_group": "policy"}, "critic_group='policy' equals group"),
         ({"entropy_mode": "bogus"}, "trainer.lossreduce.entropy_mode=bogus: must be one of"),
     ],
 )
@@ -148,16 +150,30 @@ def test_skyrls_constant_divisor_must_be_lossreduces() -> None:
     assert "divisor=8.0" in problem
 
 
-def test_megatron_and_a_critic_are_refused_together_in_one_error() -> None:
+def test_a_critic_runs_and_megatron_is_refused_with_the_other_problems_in_one_error() -> None:
     cfg = trainer()
-    cfg.strategy = "megatron"
     cfg.critic.model.path = "/models/critic"
+    assert config_problems(cfg, settings()) == []
+    cfg.strategy = "megatron"
+    cfg.algorithm.policy_loss_type = "clip_cov"
     problems = config_problems(cfg, settings())
-    assert [p.split("=")[0] for p in problems] == ["trainer.strategy", "trainer.critic.model.path"]
+    assert [p.split("=")[0] for p in problems] == [
+        "trainer.strategy",
+        "trainer.algorithm.policy_loss_type",
+    ]
     with pytest.raises(ReductionConfigError) as caught:
         raise_problems(problems, settings())
     assert "trainer.strategy='megatron'" in str(caught.value)
-    assert "trainer.critic.model.path='/models/critic'" in str(caught.value)
+    assert "policy_loss_type='clip_cov'" in str(caught.value)
+
+
+def test_the_critic_has_a_mode_and_a_group_of_its_own() -> None:
+    s = settings()
+    assert s.critic_reduction.contract == "mean:token_mean"
+    assert s.critic_group == "critic"
+    s = settings(critic_mode="constant", divisor=8)
+    assert s.critic_reduction.contract_for("sum") == "sum:constant:divisor=8"
+    assert s.reduction.divisor is None
 
 
 def test_the_skyrl_version_is_checked() -> None:

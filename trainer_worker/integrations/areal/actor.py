@@ -70,6 +70,7 @@ from lossreduce.trainer_worker.integrations.areal.plan import (
     DISTILL_TERM,
     GROUP_KEY,
     POLICY_TERM,
+    ROW_KEY,
     ROWS_TERM,
     WEIGHT_KEY,
     BatchPlan,
@@ -178,17 +179,29 @@ def weighted_loss(loss_fn: LossFn, loss_weight_fn: WeightFn, engine_rows: float)
 
 
 def _with_groups(data: Any) -> Any:
-    """``ppo_update``'s trajectory dicts, each numbered as its own prompt group."""
+    """``ppo_update``'s trajectory dicts, each numbered as its own prompt group, and each
+    row by its place in their concatenation (``ROW_KEY``: AReaL splits the concatenated
+    batch into optimizer steps out of order, and a bad input names its row by it)."""
     if not isinstance(data, list):
         return data
     tagged = []
+    offset = 0
     for index, item in enumerate(data):
         mask = item.get("attention_mask") if isinstance(item, dict) else None
-        if not isinstance(mask, Tensor) or GROUP_KEY in item:
+        if not isinstance(mask, Tensor):
             tagged.append(item)
             continue
-        groups = torch.full(mask.shape, index, dtype=torch.int64, device=mask.device)
-        tagged.append({**item, GROUP_KEY: groups})  # [b, T]
+        b = int(mask.shape[0])
+        added: dict[str, Tensor] = {}
+        if GROUP_KEY not in item:
+            added[GROUP_KEY] = torch.full(
+                mask.shape, index, dtype=torch.int64, device=mask.device
+            )  # [b, T]
+        if ROW_KEY not in item:
+            rows = torch.arange(offset, offset + b, dtype=torch.int64, device=mask.device)
+            added[ROW_KEY] = rows[:, None].expand(mask.shape).contiguous()  # [b, T]
+        offset += b
+        tagged.append({**item, **added})
     return tagged
 
 
@@ -228,7 +241,8 @@ class LossReduceActorMixin:
     # -- AReaL's entry points ------------------------------------------------------
 
     def ppo_update(self, data: Any) -> None:
-        """AReaL's ``ppo_update``, with each trajectory dict numbered as a prompt group."""
+        """AReaL's ``ppo_update``, with each trajectory dict numbered as a prompt group and
+        each row by its place (:func:`_with_groups`)."""
         super().ppo_update(_with_groups(data))  # type: ignore[misc]
 
     def train_batch(

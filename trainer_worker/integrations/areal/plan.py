@@ -26,6 +26,12 @@ actor numbers the trajectory dicts ``ppo_update`` receives (one per rollout
 episode) in ``GROUP_KEY``. A group therefore never spans ranks; when
 ``ppo_n_minibatches > 1`` splits a group between two optimizer steps, each
 part is that step's group (the rows a step trains on are all it can count).
+
+A problem names its row by its place in the batch the rank's ``ppo_update``
+received (``ROW_KEY``, which the actor adds there): AReaL splits that batch
+into ``ppo_n_minibatches`` optimizer steps by balancing their lengths
+(``split_padded_tensor_dict_into_mb_list``), not in order, so a row's place in
+the step's batch is not where the user finds it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ __all__ = [
     "GROUP_KEY",
     "POLICY_TERM",
     "ROWS_TERM",
+    "ROW_KEY",
     "WEIGHT_KEY",
     "BatchPlan",
     "input_problems",
@@ -60,6 +67,9 @@ ROWS_TERM = "rows"
 
 GROUP_KEY = "lossreduce_group"
 """[B, T] int64: the row's rollout episode (prompt group) within its rank's ppo_update."""
+ROW_KEY = "lossreduce_row"
+"""[B, T] int64: the row's place in the batch its rank's ``ppo_update`` received (its
+trajectory dicts concatenated in order); problems name rows by it."""
 WEIGHT_KEY = "lossreduce_weight"
 """[B, T] float64: each token's weight ``w_i / N_pg`` in the step's policy-gradient loss."""
 
@@ -78,16 +88,28 @@ class BatchPlan:
     problems: tuple[str, ...]  # why this rank's inputs cannot be trained on (empty: none)
 
 
-def _positions(bad: Tensor) -> str:
-    """``(row, position)`` of the first offending entries of a [B, T] bool tensor."""
+def _row_names(batch: Mapping[str, Any], rows: int) -> list[int]:
+    """Each row's name: its ``ROW_KEY`` where the batch has one, else its place here."""
+    given = batch.get(ROW_KEY)
+    if isinstance(given, Tensor) and given.dim() in (1, 2) and given.shape[0] == rows:
+        column = given[:, 0] if given.dim() == 2 else given  # [B]
+        return [int(r) for r in column.tolist()]
+    return list(range(rows))
+
+
+def _positions(bad: Tensor, names: list[int]) -> str:
+    """``(row, position)`` of the first offending entries of a [B, T] bool tensor, each
+    row by its name (:func:`_row_names`)."""
     where = bad.nonzero().tolist()[:_SHOWN]
     more = int(bad.sum()) - len(where)
-    text = ", ".join(f"(row {r}, position {t})" for r, t in where)
+    text = ", ".join(f"(row {names[r]}, position {t})" for r, t in where)
     return text + (f" and {more} more" if more > 0 else "")
 
 
 def input_problems(batch: Mapping[str, Any], active: Tensor) -> list[str]:
-    """Non-finite loss inputs at active tokens (``active`` [B, T] bool), named."""
+    """Non-finite loss inputs at active tokens (``active`` [B, T] bool), named by row
+    (as ``ppo_update`` received it, where the batch carries ``ROW_KEY``) and position."""
+    names = _row_names(batch, int(active.shape[0]))
     problems = []
     for key in _LOSS_INPUTS:
         values = batch.get(key)
@@ -96,16 +118,16 @@ def input_problems(batch: Mapping[str, Any], active: Tensor) -> list[str]:
         bad = active & ~torch.isfinite(values)
         if bool(bad.any()):
             first = values[bad][0].item()
-            problems.append(f"{key} is {first} at active token {_positions(bad)}")
+            problems.append(f"{key} is {first} at active token {_positions(bad, names)}")
     return problems
 
 
-def _mask_problems(mask: Tensor) -> list[str]:
+def _mask_problems(mask: Tensor, names: list[int]) -> list[str]:
     bad = (mask != 0) & (mask != 1)
     if not bool(bad.any()):
         return []
     first = mask[bad][0].item()
-    return [f"loss_mask holds {first} at {_positions(bad)}; a loss mask is 0 or 1"]
+    return [f"loss_mask holds {first} at {_positions(bad, names)}; a loss mask is 0 or 1"]
 
 
 def weight_problems(token_weight: float, counted: float) -> list[str]:
@@ -164,7 +186,7 @@ def plan_batch(
     """
     mask = batch["loss_mask"]  # [B, T]
     rows = int(mask.shape[0])
-    problems = _mask_problems(mask)
+    problems = _mask_problems(mask, _row_names(batch, rows))
     active = mask != 0  # [B, T]
     problems += input_problems(batch, active)
     tokens = active.sum(-1).to("cpu", torch.float64)  # [B]: D_i

@@ -3,8 +3,10 @@
 - :class:`LossReducePolicyWorker`: SkyRL's FSDP policy worker whose every policy
   mini-batch is normalized by lossreduce's validated global normalizers, the policy
   loss in lossreduce's mode and SkyRL's KL and entropy losses as terms of their own;
-- :class:`LossReduceRayPPOTrainer`: SkyRL's ``RayPPOTrainer`` building that worker and
-  leaving the division of the advantages to it; :class:`LossReducePPOExp` returns it
+- :class:`LossReduceCriticWorker`: SkyRL's FSDP critic worker, its value loss the term
+  ``vf`` in ``critic_mode``, with the same validation;
+- :class:`LossReduceRayPPOTrainer`: SkyRL's ``RayPPOTrainer`` building those workers and
+  leaving the division of the advantages to them, its z-score over active tokens; :class:`LossReducePPOExp` returns it
   from ``get_trainer``;
 - :class:`SkyRLReductionSettings`: how (the launch's ``trainer.lossreduce`` block
   over ``LOSSREDUCE_*``).
@@ -24,6 +26,7 @@ from lossreduce.trainer_worker.integrations.skyrl.settings import SkyRLReduction
 from lossreduce.trainer_worker.integrations.skyrl.version import SKYRL_TESTED, check_skyrl_version
 
 if TYPE_CHECKING:
+    from lossreduce.trainer_worker.integrations.skyrl.critic import LossReduceCriticWorker
     from lossreduce.trainer_worker.integrations.skyrl.trainer import (
         LossReducePPOExp,
         LossReduceRayPPOTrainer,
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SKYRL_TESTED",
+    "LossReduceCriticWorker",
     "LossReducePPOExp",
     "LossReducePolicyWorker",
     "LossReduceRayPPOTrainer",
@@ -40,6 +44,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "LossReduceCriticWorker": "critic",
     "LossReducePolicyWorker": "worker",
     "LossReduceRayPPOTrainer": "trainer",
     "LossReducePPOExp": "trainer",

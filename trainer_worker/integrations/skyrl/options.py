@@ -1,12 +1,13 @@
-"""Which SkyRL options lossreduce's policy worker honours, and the refusal of the others.
+"""Which SkyRL options lossreduce's policy and critic workers honour, and the refusal of
+the others.
 
 Everything here reads SkyRL's config objects by attribute and imports no SkyRL,
 so the rules are unit-tested without it. :func:`config_problems` lists every
 option of a launch that lossreduce cannot honour, naming the option, its value,
 what is allowed and why; :func:`raise_problems` raises them all at once in one
 :class:`~lossreduce.errors.ReductionConfigError`. The entrypoint checks them in
-the driver before Ray starts, and every policy worker checks them again when it
-is built.
+the driver before Ray starts, and every policy and critic worker checks them again
+when it is built.
 """
 
 from __future__ import annotations
@@ -82,17 +83,6 @@ def config_problems(cfg: Any, settings: SkyRLReductionSettings) -> list[str]:
             f"trainer.algorithm.policy_loss_type={loss!r}: {REFUSED_POLICY_LOSSES[loss]}"
         )
     problems += _reduction_problems(algorithm, settings)
-    critic_path = getattr(getattr(getattr(cfg, "critic", None), "model", None), "path", None)
-    if critic_path is not None:
-        problems.append(
-            f"trainer.critic.model.path={critic_path!r}: SkyRL's critic takes each "
-            "response's token mean of its value loss, averages it over each micro-batch's "
-            "responses and then over the micro-batches (the mini-batch's mean over responses "
-            "only where every micro-batch is of one size; a fully masked response counts as "
-            "a zero), with no normalizer or validation of lossreduce's, which reach the "
-            "policy worker only. Train without a critic (a GRPO, RLOO or REINFORCE++ "
-            "advantage estimator)"
-        )
     return problems
 
 
@@ -128,7 +118,7 @@ def raise_problems(problems: list[str], settings: SkyRLReductionSettings) -> Non
     """Raise one :class:`ReductionConfigError` naming every problem, if there is any."""
     if problems:
         raise ReductionConfigError(
-            f"lossreduce's SkyRL policy worker (job {settings.job!r}, mode "
+            f"lossreduce's SkyRL workers (job {settings.job!r}, mode "
             f"{settings.mode.value!r}) cannot honour: {'; '.join(problems)}",
             job=settings.job,
             group=settings.group,

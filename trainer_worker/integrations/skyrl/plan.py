@@ -1,4 +1,4 @@
-"""One SkyRL policy mini-batch's terms, row weights and the micro-batch shares: pure torch.
+"""One SkyRL mini-batch's terms, row weights and the micro-batch shares: pure torch.
 
 SkyRL's policy worker receives each data-parallel rank's share of a mini-batch (one
 optimizer step) in ``forward_backward`` and splits it into micro-batches itself, by
@@ -17,9 +17,12 @@ own mode:
   losses positively homogeneous in the advantage, so the row's scale ``w_i / N`` enters
   through the advantages, as SkyRL's own driver pre-scales them;
 - ``kl``: SkyRL's ``compute_approx_kl`` against the reference policy;
-- ``entropy``: the policy's token entropy (a bonus: subtracted).
+- ``entropy``: the policy's token entropy (a bonus: subtracted);
+- ``vf``: the critic's value loss (:func:`value_token_loss`, SkyRL's ``ppo_critic_loss``
+  per token), in a critic mini-batch of its own.
 
-A row without active tokens has weight 0 and is counted nowhere. No SkyRL, gRPC or
+A row without active tokens has weight 0 and is counted nowhere. :func:`z_score` is the
+driver's ``advantage_batch_normalize`` over the active tokens. No SkyRL, gRPC or
 process group here.
 """
 
@@ -38,16 +41,21 @@ __all__ = [
     "KL_TERM",
     "POLICY_TERM",
     "PROMPT_FIELD",
+    "VALUE_SCALE_FIELD",
+    "VALUE_TERM",
     "WEIGHT_FIELDS",
     "prompt_ids",
     "row_scales",
     "term_reductions",
     "token_share",
+    "value_token_loss",
+    "z_score",
 ]
 
 POLICY_TERM = "pg"
 KL_TERM = "kl"
 ENTROPY_TERM = "entropy"
+VALUE_TERM = "vf"
 
 PROMPT_FIELD = "lossreduce_prompt"
 """The batch field (``[B]`` int64) the trainer adds: each row's prompt group, numbered
@@ -59,6 +67,9 @@ WEIGHT_FIELDS: dict[str, str] = {
 }
 """Batch fields (``[B]`` float64) the worker adds for the micro-batches: each row's
 ``w_i / N`` of a term other than the policy loss (whose scale is in the advantages)."""
+VALUE_SCALE_FIELD = "lossreduce_vf_scale"
+"""The batch field (``[B]`` float64) the critic worker adds: each row's ``w_i / N`` of
+the value loss."""
 
 
 def term_reductions(
@@ -101,3 +112,40 @@ def token_share(values: Tensor, mask: Tensor, scale: Tensor) -> Tensor:
     gradient."""
     per_row = (zero_masked(values, mask) * mask).sum(-1)  # [B]
     return (per_row * scale.to(per_row.dtype)).sum()
+
+
+def value_token_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None
+) -> Tensor:
+    """SkyRL's ``ppo_critic_loss`` before its reduction (``[B, T]``):
+    ``0.5 * max((clip(V) - R)^2, (V - R)^2)`` with ``clip(V) = V_old + clamp(V - V_old,
+    -value_clip, value_clip)``, or ``0.5 * (V - R)^2`` without ``value_clip``. SkyRL's
+    loss is the mean over a micro-batch's rows of each row's token mean of this."""
+    if value_clip is None:
+        return 0.5 * (values - returns) ** 2
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    return 0.5 * torch.max((clipped - returns) ** 2, (values - returns) ** 2)
+
+
+def z_score(advantages: Tensor, mask: Tensor) -> Tensor:
+    """SkyRL's ``advantage_batch_normalize`` with its statistics over active tokens only:
+    ``(A - mu) / max(sigma, 1e-4)`` with ``mu`` and ``sigma^2`` the mean and variance of
+    ``A`` over the tokens where ``mask`` (the loss mask) is set and ``A`` is finite,
+    summed in float64. ``advantages`` and ``mask`` are ``[B, T]``, the whole training
+    batch (the driver's, so every rank gets the same numbers).
+
+    SkyRL centres on the mean of *every* entry (padding and masked tokens too) and scales
+    by the deviation over the response tokens, so one NaN under the mask turns every
+    advantage NaN. Here a masked entry, NaN or not, moves nothing; a non-finite active
+    token stays non-finite (NaN, or inf of its sign) and leaves every other token finite,
+    so the worker's check names its row alone. Without a counted token the advantages
+    are returned as they are (the mini-batch is then empty, or refused for its
+    non-finite tokens)."""
+    counted = (mask != 0) & torch.isfinite(advantages)  # [B, T]
+    n = int(counted.sum())
+    if n == 0:
+        return advantages
+    wide = advantages.to(torch.float64)
+    mean = torch.where(counted, wide, 0.0).sum() / n
+    variance = torch.where(counted, wide - mean, 0.0).pow(2).sum() / n
+    return ((wide - mean) * variance.clamp(min=1e-8).rsqrt()).to(advantages.dtype)

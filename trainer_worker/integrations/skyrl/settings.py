@@ -36,15 +36,17 @@ def _term_mode(term: str) -> PolicyGradientMode:
 
 
 class SkyRLReductionSettings(ReductionSettings):
-    """The reduction SkyRL's policy worker uses instead of SkyRL's ``loss_reduction``.
+    """The reduction SkyRL's policy and critic workers use instead of SkyRL's divisions.
 
     One optimizer step is one policy mini-batch (``trainer.policy_mini_batch_size``
-    prompts). ``mode`` is the policy loss's reduction; ``kl_mode`` and
-    ``entropy_mode`` are those of SkyRL's KL loss (``algorithm.use_kl_loss``) and
-    entropy loss (``algorithm.use_entropy_loss``), each a term of its own;
-    ``divisor`` is ``constant``'s length budget for every term in that mode.
-    With ``on_empty_step='skip'`` an empty mini-batch runs no forward, backward
-    or optimizer step on any rank.
+    prompts), or one critic mini-batch (``trainer.critic_mini_batch_size``). ``mode``
+    is the policy loss's reduction; ``kl_mode`` and ``entropy_mode`` are those of
+    SkyRL's KL loss (``algorithm.use_kl_loss``) and entropy loss
+    (``algorithm.use_entropy_loss``), each a term of its own; ``critic_mode`` is the
+    critic's value loss's (term ``vf``, reduced in ``critic_group``); ``divisor`` is
+    ``constant``'s length budget for every term in that mode. With
+    ``on_empty_step='skip'`` an empty mini-batch runs no forward, backward or
+    optimizer step on any rank.
     """
 
     joins_ray_coordinator: ClassVar[bool] = True
@@ -55,9 +57,25 @@ class SkyRLReductionSettings(ReductionSettings):
     job: str = job_field("skyrl-ppo")
     group: str = group_field(
         "policy",
-        "Reduction group within the job. With Ulysses sequence parallelism each "
-        "sequence-parallel index reduces over the data-parallel ranks in its own group "
-        "'<group>.sp<index>'.",
+        "Reduction group of the policy's rounds within the job. With Ulysses sequence "
+        "parallelism each sequence-parallel index reduces over the data-parallel ranks in "
+        "its own group '<group>.sp<index>'.",
+    )
+    critic_mode: PolicyGradientMode = Field(
+        default=PolicyGradientMode.TOKEN_MEAN,
+        description=(
+            "What the critic's value loss (SkyRL's ppo_critic_loss per token, with a critic "
+            "model: trainer.critic.model.path) weighs equally over one critic mini-batch, "
+            "as a term of its own ('vf'): token_mean (every active token, the default), "
+            "seq_mean (every active response: SkyRL's own weighting where every response "
+            "has an active token and every micro-batch is of one size), prompt_mean or "
+            "constant (sum over tokens / (divisor x active responses))."
+        ),
+    )
+    critic_group: str = group_field(
+        "critic",
+        "Reduction group of the critic's rounds within the job ('<critic_group>.sp<index>' "
+        "with Ulysses sequence parallelism).",
     )
 
     @property
@@ -70,20 +88,26 @@ class SkyRLReductionSettings(ReductionSettings):
         """The entropy term's reduction."""
         return self._term(self.entropy_mode)
 
+    @property
+    def critic_reduction(self) -> PolicyGradientReduction:
+        """The critic's value loss's reduction."""
+        return self._term(self.critic_mode)
+
     def _term(self, mode: PolicyGradientMode) -> PolicyGradientReduction:
         divisor = self.divisor if mode is PolicyGradientMode.CONSTANT else None
         return PolicyGradientReduction(mode, divisor)
 
     @model_validator(mode="after")
     def _divisor_where_constant(self) -> SkyRLReductionSettings:
-        # The base class judges mode and divisor alone; the KL and entropy terms may
-        # be the ones in 'constant'.
+        # The base class judges mode and divisor alone; the KL, entropy and value terms
+        # may be the ones in 'constant'.
         constant = [
             name
             for name, mode in (
                 ("mode", self.mode),
                 ("kl_mode", self.kl_mode),
                 ("entropy_mode", self.entropy_mode),
+                ("critic_mode", self.critic_mode),
             )
             if mode is PolicyGradientMode.CONSTANT
         ]
@@ -93,10 +117,15 @@ class SkyRLReductionSettings(ReductionSettings):
             )
         if self.divisor is not None and not constant:
             raise ValueError(
-                f"divisor={self.divisor!r} is only valid when mode, kl_mode or entropy_mode "
-                "is 'constant'"
+                f"divisor={self.divisor!r} is only valid when mode, kl_mode, entropy_mode or "
+                "critic_mode is 'constant'"
             )
-        _ = self.kl_reduction, self.entropy_reduction
+        if self.critic_group == self.group:
+            raise ValueError(
+                f"critic_group={self.critic_group!r} equals group: the policy's and the "
+                "critic's rounds need groups of their own"
+            )
+        _ = self.kl_reduction, self.entropy_reduction, self.critic_reduction
         return self
 
     @property

@@ -39,10 +39,8 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
-from skyrl.backends.skyrl_train.utils.io import io
 from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
 from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
@@ -56,29 +54,20 @@ from skyrl.backends.skyrl_train.workers.worker_utils import (
 )
 from skyrl.train.dataset.replay_buffer import Experience
 
-from lossreduce.errors import ReductionInputError, UsageError
-from lossreduce.trainer_worker.integrations.skyrl.config import reduction_settings
-from lossreduce.trainer_worker.integrations.skyrl.options import config_problems, raise_problems
+from lossreduce.errors import UsageError
 from lossreduce.trainer_worker.integrations.skyrl.plan import (
     ENTROPY_TERM,
     KL_TERM,
     POLICY_TERM,
-    PROMPT_FIELD,
     WEIGHT_FIELDS,
     row_scales,
     term_reductions,
     token_share,
 )
-from lossreduce.trainer_worker.integrations.worker_rounds import (
-    DataParallel,
-    RunClaim,
-    WorkerRounds,
-    gather_rows,
-    round_file,
-    round_metrics,
-)
-from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, zero_masked
-from lossreduce.trainer_worker.step_rows import StepRows, TermPlan, bad_inputs, plan_terms
+from lossreduce.trainer_worker.integrations.skyrl.rounds import SkyRLRoundsMixin
+from lossreduce.trainer_worker.integrations.worker_rounds import round_metrics
+from lossreduce.trainer_worker.policy_gradient import zero_masked
+from lossreduce.trainer_worker.step_rows import TermPlan, bad_inputs, plan_terms
 
 __all__ = ["LossReducePolicyWorker"]
 
@@ -87,88 +76,16 @@ _ZEROED_INPUTS = ("advantages", "action_log_probs", "base_action_log_probs", "ro
 masked token must not reach the gradient."""
 
 
-class LossReducePolicyWorker(FSDPPolicyWorkerBase):  # type: ignore[misc]
+class LossReducePolicyWorker(SkyRLRoundsMixin, FSDPPolicyWorkerBase):  # type: ignore[misc]
     """SkyRL's FSDP policy worker whose mini-batches are normalized by lossreduce.
 
     Settings come from the trainer config's ``lossreduce`` block
-    (:class:`~.config.LossReduceTrainerConfig`) over ``LOSSREDUCE_*``.
-    ``skipped_steps`` counts mini-batches skipped as empty; ``last_normalizers``
-    holds the global normalizers the last mini-batch used.
+    (:class:`~.config.LossReduceTrainerConfig`) over ``LOSSREDUCE_*``; the rounds, the
+    claim and the round counter are :class:`~.rounds.SkyRLRoundsMixin`'s (group
+    ``group``).
     """
 
-    def __init__(
-        self,
-        *,
-        cfg: Any,
-        world_size: int,
-        rank: int,
-        local_rank: int,
-        master_addr: str | None,
-        master_port: int | None,
-        sequence_parallel_size: int,
-        record_memory: bool = False,
-    ) -> None:
-        self.reduction_settings = reduction_settings(cfg)
-        raise_problems(config_problems(cfg, self.reduction_settings), self.reduction_settings)
-        super().__init__(
-            cfg=cfg,
-            world_size=world_size,
-            rank=rank,
-            local_rank=local_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            sequence_parallel_size=sequence_parallel_size,
-            record_memory=record_memory,
-        )
-        self.rounds = WorkerRounds(self.reduction_settings, self._data_parallel)
-        self.skipped_steps = 0
-        self.last_normalizers: dict[str, float] | None = None
-        self._skip_optimizer_step = False
-
-    def _data_parallel(self) -> DataParallel:
-        group = self.reduction_settings.group
-        if self.sequence_parallel_size > 1:
-            # Ranks of one sequence-parallel group hold the same rows: each index within
-            # such a group reduces over the data-parallel ranks in a round of its own.
-            group = f"{group}.sp{self.mesh_rank.sp}"
-        return DataParallel(
-            group=self.device_mesh.get_group("dp"),
-            rank=self.mesh_rank.dp,
-            size=self.mesh_rank.dp_size,
-            round_group=group,
-        )
-
-    # -- the run and its rounds -----------------------------------------------------
-
-    def claim(self) -> RunClaim:
-        """Claim this worker group's (job, group) for its run at the round it sends first
-        (0 for a new run, the checkpoint's counter once ``load_checkpoint`` restored it),
-        before any rollout; every rank calls it."""
-        return self.rounds.claim()
-
-    def save_checkpoint(self, ckpt_dir: str, tokenizer: Any = None) -> None:
-        """SkyRL's checkpoint, plus this rank's round counter."""
-        super().save_checkpoint(ckpt_dir, tokenizer=tokenizer)
-        path = round_file(ckpt_dir, dist.get_rank())
-        with io.open_file(path, "w") as f:
-            f.write(self.rounds.saved())
-
-    def load_checkpoint(
-        self,
-        ckpt_dir: str,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-    ) -> Any:
-        """SkyRL's checkpoint, and the round counter saved with it (if any)."""
-        path = round_file(ckpt_dir, dist.get_rank())
-        if io.exists(path):
-            with io.open_file(path, "r") as f:
-                self.rounds.restore(f.read())
-        return super().load_checkpoint(
-            ckpt_dir,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-        )
+    role = "policy"
 
     # -- one mini-batch -------------------------------------------------------------
 
@@ -196,26 +113,6 @@ class LossReducePolicyWorker(FSDPPolicyWorkerBase):  # type: ignore[misc]
         found = bad_inputs(mask, inputs, self.mesh_rank.dp)
         return plan_terms(reductions, rows, rank), found
 
-    def _rows(
-        self, data: TrainingInputBatch, tokens: torch.Tensor, reductions: dict[str, Any]
-    ) -> tuple[StepRows, int]:
-        """The rows the plan needs and this rank's index among them."""
-        n = tokens.shape[0]
-        if all(r.mode is not PolicyGradientMode.PROMPT_MEAN for r in reductions.values()):
-            zeros = torch.zeros(n, dtype=torch.long)
-            return StepRows(process=zeros, window=zeros, group=zeros, tokens=tokens), 0
-        groups = data.get(PROMPT_FIELD)
-        if groups is None:
-            raise ReductionInputError(
-                f"job {self.rounds.identity()[1]!r}: mode 'prompt_mean' needs the prompt "
-                f"group of every row (the batch field {PROMPT_FIELD!r} that "
-                "LossReduceRayPPOTrainer adds), which this mini-batch lacks"
-            )
-        # A group's tokens and owner span ranks: every rank sees every rank's rows.
-        dp = self.rounds.dp
-        keys = [str(g) for g in groups.cpu().tolist()]
-        return gather_rows(keys, tokens, world=dp.size, group=dp.group), dp.rank
-
     def forward_backward(
         self,
         data: TrainingInputBatch,
@@ -236,24 +133,14 @@ class LossReducePolicyWorker(FSDPPolicyWorkerBase):  # type: ignore[misc]
         started = time.perf_counter()
         totals = self.rounds.reduce(step, plan.partials, plan.contracts, bad, POLICY_TERM)
         latency = time.perf_counter() - started
-        self.last_normalizers = totals
+        self._note_round(totals)
         if totals is None:
-            self.skipped_steps += 1
-            self._skip_optimizer_step = True
             return WorkerOutput(metrics=round_metrics(step, {}, latency, skipped=True))
-        self._skip_optimizer_step = False
         scales = row_scales(plan, totals)
         data = _normalized(data, scales)
         output = self._micro_batches(data, return_per_token_outputs)
         output.metrics.update(round_metrics(step, totals, latency, skipped=False))
         return output
-
-    def optim_step(self) -> float | None:
-        """SkyRL's optimizer step, or nothing after a skipped empty mini-batch."""
-        if self._skip_optimizer_step:
-            self._skip_optimizer_step = False
-            return None
-        return super().optim_step()  # type: ignore[no-any-return]
 
     # -- the micro-batches ----------------------------------------------------------
 

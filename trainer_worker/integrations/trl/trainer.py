@@ -80,7 +80,12 @@ from lossreduce.trainer_worker.integrations.trl.options import (
     refuse_coordinator_without_ray,
     refuse_unsupported,
 )
-from lossreduce.trainer_worker.integrations.trl.window import MicroStep, Window, loss_mask
+from lossreduce.trainer_worker.integrations.trl.window import (
+    MicroStep,
+    Window,
+    generated_bad_inputs,
+    loss_mask,
+)
 from lossreduce.trainer_worker.integrations.worker_rounds import (
     DataParallel,
     WorkerRounds,
@@ -88,7 +93,7 @@ from lossreduce.trainer_worker.integrations.worker_rounds import (
 )
 from lossreduce.trainer_worker.normalizers import GlobalNormalizer, ReadyHandle
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientReduction
-from lossreduce.trainer_worker.step_rows import StepRows, bad_inputs, plan_rows
+from lossreduce.trainer_worker.step_rows import StepRows, plan_rows
 
 try:
     import trl
@@ -103,6 +108,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 __all__ = ["LossReduceGRPOTrainer"]
 
 _GROUP_KEY = "lossreduce_group"  # [B] prompt group of each row, over the whole generation batch
+_ROW_KEY = "lossreduce_row"  # [B] each row's place in the generation batch, before TRL's shuffle
 _PLAN_KEY = "lossreduce_plan"  # the micro-step's MicroStep, added after the split
 
 _log = logging.getLogger(__name__)
@@ -268,6 +274,9 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         first = self.accelerator.process_index * rows
         index = torch.arange(first, first + rows, device=output["completion_ids"].device)
         output[_GROUP_KEY] = torch.div(index, self.num_generations, rounding_mode="floor")
+        # TRL shuffles the rows next: a bad input is named by this place, where the user
+        # finds the row.
+        output[_ROW_KEY] = index
         return output
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
@@ -313,8 +322,12 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
                 advantages = advantages[:, None].expand(m.shape)
             # A NaN advantage at an active token would reach the gradient: every
             # process's round of that step aborts instead (masked rows are ignored).
-            found = bad_inputs(
-                m.cpu(), {"advantages": advantages.cpu()}, self.accelerator.process_index
+            found = generated_bad_inputs(
+                m.cpu(),
+                {"advantages": advantages.cpu()},
+                s[_ROW_KEY].cpu(),
+                self.accelerator.process_index,
+                rows_per_process,
             )
             bad[i // ga] += [f"micro-step {i % ga}: {what}" for what in found]
         windows = self._open_windows = [
@@ -361,7 +374,7 @@ class LossReduceGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             # Evaluation batches are neither accumulated nor split: TRL's own loss.
             loss: Tensor = super()._compute_loss(model, inputs)
             return loss
-        inputs = {k: v for k, v in inputs.items() if k not in (_PLAN_KEY, _GROUP_KEY)}
+        inputs = {k: v for k, v in inputs.items() if k not in (_PLAN_KEY, _GROUP_KEY, _ROW_KEY)}
         self._poll_windows()
         window = micro.window
         deferred: Tensor | None = None

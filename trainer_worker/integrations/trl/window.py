@@ -1,20 +1,24 @@
 """One optimizer step's normalizer round inside TRL's micro-steps: :class:`Window`
-(started when the generation batch is split, waited for when first needed) and
-:class:`MicroStep`, what each micro-step carries beyond TRL's inputs."""
+(started when the generation batch is split, waited for when first needed),
+:class:`MicroStep`, what each micro-step carries beyond TRL's inputs, and
+:func:`generated_bad_inputs`, a micro-step's bad inputs named by the rows as TRL
+generated them (before its shuffle)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lossreduce.errors import EmptyNormalizerError, LossReduceError
 from lossreduce.trainer_worker.integrations.worker_rounds import bad_input_error
 from lossreduce.trainer_worker.normalizers import NormalizerHandle
 
-__all__ = ["MicroStep", "Window", "loss_mask"]
+__all__ = ["MicroStep", "Window", "generated_bad_inputs", "loss_mask"]
 
 
 @dataclass
@@ -75,3 +79,33 @@ def loss_mask(inputs: dict[str, Any]) -> Tensor:
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
     return mask
+
+
+def generated_bad_inputs(
+    mask: Tensor, inputs: dict[str, Tensor], rows: Tensor, rank: int, per_process: int
+) -> list[str]:
+    """Each input (``[B, T]``, like ``mask``) with a NaN or inf where ``mask`` is set, as
+    ``"advantages: nan at 3 active tokens of rank 1 rows [0, 4] (generation-batch rows
+    [6, 10])"``; masked positions are ignored (they are zeroed before the loss).
+
+    TRL shuffles each process's generation batch before it splits it into micro-steps,
+    so a row's place in the micro-step (``mask``'s rows) is not where the user finds it.
+    ``rows`` (``[B]``) gives each of ``mask``'s rows its index in the generation batch
+    gathered over the processes, as generated (process ``rank``'s ``i``-th row is
+    ``rank * per_process + i``, TRL's own order when it scores groups): the rows are
+    named by that index and by ``i``."""
+    active = mask.bool()
+    found = []
+    for name, values in inputs.items():
+        bad = active & ~torch.isfinite(values)  # [B, T]
+        count = int(bad.sum())
+        if count:
+            first = float(values[bad][0])
+            overall = sorted({int(rows[r]) for r in bad.nonzero()[:, 0].tolist()})
+            own = [r - rank * per_process for r in overall]
+            what = "nan" if math.isnan(first) else repr(first)
+            found.append(
+                f"{name}: {what} at {count} active tokens of rank {rank} rows {own} "
+                f"(generation-batch rows {overall})"
+            )
+    return found

@@ -20,8 +20,13 @@ from lossreduce.trainer_worker.integrations.areal import (
     LossReducePPOTrainer,
     check_areal_version,
 )
-from lossreduce.trainer_worker.integrations.areal.actor import _gradient_scaled
-from lossreduce.trainer_worker.integrations.areal.plan import GROUP_KEY, plan_batch, token_weights
+from lossreduce.trainer_worker.integrations.areal.actor import _gradient_scaled, _with_groups
+from lossreduce.trainer_worker.integrations.areal.plan import (
+    GROUP_KEY,
+    ROW_KEY,
+    plan_batch,
+    token_weights,
+)
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
 
 
@@ -131,6 +136,30 @@ def test_non_finite_inputs_are_problems_only_at_active_tokens() -> None:
         10.0,
     )
     assert plan.problems == ("logprobs is -inf at active token (row 2, position 1)",)
+
+
+def test_a_problem_names_its_row_as_ppo_update_received_it() -> None:
+    """AReaL splits ``ppo_update``'s batch into ``ppo_n_minibatches`` optimizer steps by
+    balancing lengths, out of order: the actor numbers every row there (``ROW_KEY``) and a
+    problem names that number, not the row's place in the step's batch."""
+    data = [
+        {"attention_mask": torch.ones(2, 3)},
+        {"attention_mask": torch.ones(3, 5)},
+    ]
+    tagged = _with_groups(data)
+    assert [d[ROW_KEY][:, 0].tolist() for d in tagged] == [[0, 1], [2, 3, 4]]
+    assert [d[GROUP_KEY][:, 0].tolist() for d in tagged] == [[0, 0], [1, 1, 1]]
+    assert all(d[ROW_KEY].shape == d["attention_mask"].shape for d in tagged)
+    # A step's batch holding rows 4, 0, 3 and 1 of ppo_update's, in that order.
+    advantages = torch.ones(4, 3)
+    advantages[2, 1] = math.nan
+    rows = torch.tensor([4, 0, 3, 1])[:, None].expand(4, 3)
+    plan = plan_batch(
+        PolicyGradientReduction("token_mean"),
+        _batch(advantages=advantages, **{ROW_KEY: rows}),
+        10.0,
+    )
+    assert plan.problems == ("advantages is nan at active token (row 3, position 1)",)
 
 
 def test_a_mask_that_is_not_0_or_1_and_a_wrong_weight_are_problems() -> None:

@@ -3,11 +3,14 @@
 A launch runs in a folder of its own (its checkpoints, exported models, dumped
 batches and logs; a relaunch reuses its folder's checkpoints and logs to a second
 tensorboard folder) against the module's stand-in inference server, in a process
-group of its own (:class:`tests.launch_group.GroupLaunch`).
+group of its own (:class:`tests.launch_group.GroupLaunch`). With ``critic=True`` it
+trains PPO with GAE and SkyRL's critic (:func:`critic_args`): 2 critic ranks of their
+own besides the 2 policy and 2 reference ranks, on 6 CPU "GPUs".
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import time
@@ -24,6 +27,8 @@ __all__ = [
     "CLAIMED",
     "LAUNCH_TIMEOUT_S",
     "Launched",
+    "critic_args",
+    "critic_model",
     "dumped_batches",
     "exported_weights",
     "finished",
@@ -36,7 +41,7 @@ CLAIMED = re.compile(
     r"lossreduce: run '(?P<run>[^']+)' claimed job '(?P<job>[^']+)' group '(?P<group>[^']+)' "
     r"from round (?P<step>\d+)"
 )
-"""The line the trainer logs once its policy workers have claimed the run's group."""
+"""A line the trainer logs once its policy (or critic) workers have claimed the run's group."""
 
 
 @dataclass(frozen=True)
@@ -54,17 +59,68 @@ class Launched:
         return self
 
 
+def critic_model(inputs: launch.Inputs) -> Path:
+    """The critic's model: the launch's tiny Qwen2 with tied embeddings, next to it
+    (written once). SkyRL 0.4.0 builds an untied critic on every rank but the first from
+    ``transformers.modeling_utils.no_init_weights``, which transformers 5.16.1 no longer
+    has, so stock SkyRL's critic on two ranks fails at start with the untied model
+    (docs/frameworks/skyrl.md)."""
+    from transformers import Qwen2ForCausalLM
+
+    folder = Path(inputs.model).parent / "critic-model"
+    if not (folder / "config.json").exists():
+        model = Qwen2ForCausalLM.from_pretrained(inputs.model)
+        model.config.tie_word_embeddings = True
+        model.save_pretrained(folder)
+    return folder
+
+
+def critic_args(inputs: launch.Inputs) -> list[str]:
+    """PPO with GAE and SkyRL's critic (:func:`critic_model` with a value head), on 2 ranks
+    of its own, float32, one critic mini-batch a step, its value loss in ``prompt_mean``
+    (each row's prompt group reaches the critic too)."""
+    return [
+        "trainer.algorithm.advantage_estimator=gae",
+        f"trainer.critic.model.path={critic_model(inputs)}",
+        "trainer.placement.critic_num_nodes=2",
+        "trainer.placement.critic_num_gpus_per_node=1",
+        "trainer.critic.fsdp_config.mixed_precision.param_dtype=fp32",
+        "trainer.critic.optimizer_config.lr=0.01",
+        "trainer.critic.optimizer_config.offload_after_step=false",
+        "trainer.critic_mini_batch_size=4",
+        "trainer.lossreduce.critic_mode=prompt_mean",
+    ]
+
+
 def start(
-    name: str, work: Path, inputs: launch.Inputs, server: str, extra: list[str], *, steps: int
+    name: str,
+    work: Path,
+    inputs: launch.Inputs,
+    server: str,
+    extra: list[str],
+    *,
+    steps: int,
+    critic: bool = False,
 ) -> GroupLaunch:
     """``main_base`` with lossreduce's entrypoint and ``extra`` (which win), in the
-    background; its tensorboard log goes to ``work/<name>-tensorboard``."""
+    background; its tensorboard log goes to ``work/<name>-tensorboard``. ``critic``: with
+    GAE and the critic (:func:`critic_args`)."""
     work.mkdir(parents=True, exist_ok=True)
-    args = [*launch.LOSSREDUCE, *launch.overrides(work, inputs, server, steps=steps), *extra]
+    with_critic = critic_args(inputs) if critic else []
+    args = [
+        *launch.LOSSREDUCE,
+        *launch.overrides(work, inputs, server, steps=steps),
+        *with_critic,
+        *extra,
+    ]
+    env = launch.launch_env(work / f"{name}-tensorboard")
+    if critic:
+        # The critic's 2 ranks need 2 more CPU "GPUs" than the policy's and the reference's.
+        env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"CPU": 16, "GPU": 6})
     return GroupLaunch.start(
         name,
         launch.main_base_command(args),
-        env=launch.launch_env(work / f"{name}-tensorboard"),
+        env=env,
         cwd=work,
         log=work / f"{name}.log",
     )
@@ -102,11 +158,12 @@ def dumped_batches(work: Path) -> dict[int, Any]:
     return out
 
 
-def exported_weights(work: Path, step: int) -> dict[str, torch.Tensor]:
-    """The policy SkyRL exported after ``step`` (``trainer.hf_save_interval``)."""
+def exported_weights(work: Path, step: int, model: str = "policy") -> dict[str, torch.Tensor]:
+    """The ``model`` (``policy`` or ``critic``) SkyRL exported after ``step``
+    (``trainer.hf_save_interval``)."""
     from safetensors.torch import load_file
 
-    folder = work / "export" / f"global_step_{step}" / "policy"
+    folder = work / "export" / f"global_step_{step}" / model
     weights: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(path))

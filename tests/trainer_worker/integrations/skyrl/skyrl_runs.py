@@ -10,6 +10,9 @@ its optimizer step did, and any error.
 A ``stock`` case is SkyRL as it ships: the advantages divided by SkyRL's driver-side
 ``apply_loss_reduction_to_advantages_minibatch`` over the whole mini-batch (what
 ``RayPPOTrainer._normalize_advantages`` does), then SkyRL's ``FSDPPolicyWorkerBase``.
+A ``critic`` case trains the critic instead (``LossReduceCriticWorker``, its ``mode``
+the settings' ``critic_mode``), a ``stock-critic`` case SkyRL's ``FSDPCriticWorkerBase``;
+both save the critic's weights before the update (``initial``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ QUIET_ENV = {
 @dataclass(frozen=True)
 class Case:
     name: str
-    worker: str = "lossreduce"  # or "stock": SkyRL's own worker and driver-side division
+    # lossreduce; stock: SkyRL's own worker and driver-side division; critic, stock-critic
+    worker: str = "lossreduce"
     mode: str = "token_mean"
     kl_mode: str = "token_mean"
     entropy_mode: str = "token_mean"
@@ -55,6 +59,7 @@ class Case:
     rollout_logprobs: bool = False  # the batch carries the rollout's log-probabilities
     on_policy: bool = False  # old log-probabilities are the model's own (ratios start at 1)
     without_old: bool = False  # no old log-probabilities: SkyRL skipped their forward
+    z_score: bool = False  # the trainer's advantage_batch_normalize, over the whole batch
     extra: dict[str, Any] = field(default_factory=dict)  # more lossreduce settings
 
 
@@ -65,6 +70,17 @@ def batch_of(case: Case) -> tiny_skyrl.Rows:
         batch = tiny_skyrl.rows(all_masked=True)
     else:
         batch = tiny_skyrl.rows()
+    if case.batch == "nan_return":
+        returns = batch.returns.clone()
+        returns[6, -1] = float("nan")  # rank 1's row 2 on two ranks; an active token
+        batch = replace(batch, returns=returns)
+    elif case.batch == "critic_masked_nan":
+        # The masked response and a padding token of an active one (row 0 is left-padded).
+        values, returns = batch.values.clone(), batch.returns.clone()
+        for tensor in (values, returns):
+            tensor[tiny_skyrl.MASKED_ROW] = float("nan")
+            tensor[0, 0] = float("nan")
+        batch = replace(batch, values=values, returns=returns)
     if case.batch == "nan_advantage":
         advantages = batch.advantages.clone()
         advantages[6, -1] = float("nan")  # rank 1's row 2 on two ranks; an active token
@@ -77,12 +93,24 @@ def batch_of(case: Case) -> tiny_skyrl.Rows:
         advantages = batch.advantages.clone()
         advantages[tiny_skyrl.MASKED_ROW] = float("nan")  # only masked tokens
         batch = tiny_skyrl.with_advantages(batch, advantages)
+    elif case.batch in ("masked_nan_padding", "masked_zero_padding"):
+        # The masked response and a padding token of an active one (row 0 is left-padded).
+        value = float("nan") if case.batch == "masked_nan_padding" else 0.0
+        advantages = batch.advantages.clone()
+        advantages[tiny_skyrl.MASKED_ROW] = value
+        advantages[0, 0] = value
+        batch = tiny_skyrl.with_advantages(batch, advantages)
     elif case.batch == "rank1_masked":
         loss_mask = batch.loss_mask.clone()
         loss_mask[batch.size // 2 :] = 0  # every response of rank 1 on two ranks
         batch = replace(batch, loss_mask=loss_mask)
     if case.zero_advantages:
         batch = tiny_skyrl.with_advantages(batch, torch.zeros_like(batch.advantages))
+    if case.z_score:
+        from lossreduce.trainer_worker.integrations.skyrl.plan import z_score
+
+        # LossReduceRayPPOTrainer's z-score, on the driver's whole batch.
+        batch = tiny_skyrl.with_advantages(batch, z_score(batch.advantages, batch.loss_mask))
     return batch
 
 
@@ -101,10 +129,15 @@ def _trainer_config(case: Case, model_dir: Path, micro: int) -> Any:
     cfg.policy.fsdp_config.mixed_precision = MixedPrecisionConfig(
         param_dtype="fp32", reduce_dtype="fp32", buffer_dtype="fp32"
     )
-    optimizer = cfg.policy.optimizer_config
-    optimizer.max_grad_norm = 0.0 if case.optimizer != "adamw" else 1.0
-    optimizer.lr = 1e-2
-    optimizer.weight_decay = 0.1
+    for optimizer in (cfg.policy.optimizer_config, cfg.critic.optimizer_config):
+        optimizer.max_grad_norm = 0.0 if case.optimizer != "adamw" else 1.0
+        optimizer.lr = 1e-2
+        optimizer.weight_decay = 0.1
+    if is_critic(case):
+        cfg.critic.model.path = str(tiny_skyrl.critic_dir(model_dir))
+        cfg.critic.fsdp_config.mixed_precision = MixedPrecisionConfig(
+            param_dtype="fp32", reduce_dtype="fp32", buffer_dtype="fp32"
+        )
     algorithm = cfg.algorithm
     algorithm.temperature = 1.0
     algorithm.policy_loss_type = case.policy_loss
@@ -115,9 +148,10 @@ def _trainer_config(case: Case, model_dir: Path, micro: int) -> Any:
     algorithm.kl_estimator_type = "k3"
     algorithm.use_entropy_loss = case.entropy
     algorithm.entropy_loss_coef = tiny_skyrl.ENTROPY_COEF
-    if case.worker == "lossreduce":
+    if case.worker in ("lossreduce", "critic"):
+        mode = "critic_mode" if case.worker == "critic" else "mode"
         settings: dict[str, Any] = {
-            "mode": case.mode,
+            mode: case.mode,
             "kl_mode": case.kl_mode,
             "entropy_mode": case.entropy_mode,
             "normalizer": case.normalizer,
@@ -126,12 +160,19 @@ def _trainer_config(case: Case, model_dir: Path, micro: int) -> Any:
             "run": "skyrltest",
             **case.extra,
         }
+        if case.worker == "critic":
+            del settings["kl_mode"], settings["entropy_mode"]
         if case.divisor is not None:
             settings["divisor"] = case.divisor
         if case.coordinator is not None:
             settings["coordinator"] = case.coordinator
         cfg.lossreduce = settings
     return cfg
+
+
+def is_critic(case: Case) -> bool:
+    """Whether the case trains the critic."""
+    return case.worker in ("critic", "stock-critic")
 
 
 def _stock_advantages(case: Case, batch: tiny_skyrl.Rows, micro: int) -> tiny_skyrl.Rows:
@@ -164,11 +205,20 @@ class Layout:
 
 
 def _worker(case: Case, rank: int, layout: Layout) -> Any:
-    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import (
+        FSDPCriticWorkerBase,
+        FSDPPolicyWorkerBase,
+    )
 
+    from lossreduce.trainer_worker.integrations.skyrl.critic import LossReduceCriticWorker
     from lossreduce.trainer_worker.integrations.skyrl.worker import LossReducePolicyWorker
 
-    cls = LossReducePolicyWorker if case.worker == "lossreduce" else FSDPPolicyWorkerBase
+    cls = {
+        "lossreduce": LossReducePolicyWorker,
+        "stock": FSDPPolicyWorkerBase,
+        "critic": LossReduceCriticWorker,
+        "stock-critic": FSDPCriticWorkerBase,
+    }[case.worker]
     worker = cls(
         cfg=_trainer_config(case, layout.model_dir, layout.micro),
         world_size=layout.world,
@@ -179,7 +229,8 @@ def _worker(case: Case, rank: int, layout: Layout) -> Any:
         sequence_parallel_size=1,
     )
     worker.init_worker_process_group()
-    worker.init_model(str(layout.model_dir))
+    path = tiny_skyrl.critic_dir(layout.model_dir) if is_critic(case) else layout.model_dir
+    worker.init_model(str(path))
     if case.optimizer == "sgd":
         worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=1.0)
         worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, lambda _: 1.0)
@@ -200,7 +251,7 @@ def _run_case(case: Case, rank: int, layout: Layout) -> dict[str, Any]:
     from lossreduce.trainer_worker.integrations.skyrl.plan import PROMPT_FIELD
 
     worker = _worker(case, rank, layout)
-    model = worker.model.model
+    model = worker.model if is_critic(case) else worker.model.model
     batch = batch_of(case)
     if case.on_policy:
         batch = tiny_skyrl.on_policy(batch, layout.model_dir)
@@ -216,6 +267,8 @@ def _run_case(case: Case, rank: int, layout: Layout) -> dict[str, Any]:
         data["action_log_probs"] = None
     before = {n: _full(p) for n, p in model.named_parameters()}
     result: dict[str, Any] = {"error": None, "error_type": None}
+    if is_critic(case):
+        result["initial"] = before
     try:
         output = worker.forward_backward(data)
         result["metrics"] = dict(output.metrics)

@@ -1,4 +1,5 @@
-"""LossReducePolicyWorker against SkyRL 0.4's real FSDP policy worker on CPU.
+"""LossReducePolicyWorker and LossReduceCriticWorker against SkyRL 0.4's real FSDP policy
+and critic workers on CPU.
 
 SkyRL's ``FSDPPolicyWorkerBase`` (stock) and ``LossReducePolicyWorker`` each run one
 policy mini-batch (``forward_backward``) per case on a tiny Qwen2, on one rank and on
@@ -10,6 +11,13 @@ SkyRL. Every case has SkyRL's KL loss and entropy loss on unless it says otherwi
 What every framework keeps (empty mini-batches raised or skipped on every rank, bad input
 refused, a NaN under the mask harmless, the coordinator's answer bit for bit) is SkyRL's
 row of the contract table, ``test_contract.py``.
+
+The critic's cases (in the same spawned runs) train SkyRL's critic instead, its value
+loss against :func:`tiny_skyrl.reference_value_grads` (SkyRL's critic model with the
+worker's initial weights, the formula in one process), and carry the critic's own
+validation cases, as the contract's but for the value loss. The driver's z-score
+(``advantage_batch_normalize``) is applied to the whole batch before it is sharded, as
+``LossReduceRayPPOTrainer`` does.
 """
 
 from __future__ import annotations
@@ -23,26 +31,18 @@ import pytest
 import torch
 
 from tests.trainer_worker.integrations.skyrl import tiny_skyrl
-from tests.trainer_worker.integrations.skyrl.skyrl_runs import Case, run
+from tests.trainer_worker.integrations.skyrl.skyrl_runs import run
+from tests.trainer_worker.integrations.skyrl.worker_cases import (
+    CRITIC_LAYOUTS,
+    DIVISOR,
+    INVARIANCE_LAYOUTS,
+    LAYOUTS,
+    MODES,
+    POLICY_LOSSES,
+    VALUE_CLIP,
+    layout_cases,
+)
 
-DIVISOR = 5.0
-MODES: dict[str, float | None] = {
-    "token_mean": None,
-    "seq_mean": None,
-    "prompt_mean": None,
-    "constant": DIVISOR,
-}
-LAYOUTS: dict[str, tuple[int, int]] = {
-    # name -> (ranks, micro-batch size per rank): 8 responses in one mini-batch.
-    "dp1-mb8": (1, 8),
-    "dp1-mb4": (1, 4),
-    "dp1-mb2": (1, 2),
-    "dp1-mb1": (1, 1),
-    "dp2-mb4": (2, 4),
-    "dp2-mb2": (2, 2),
-    "dp2-mb1": (2, 1),
-}
-INVARIANCE_LAYOUTS = ("dp1-mb8", "dp1-mb1", "dp2-mb4", "dp2-mb2", "dp2-mb1")
 FORMULA_RTOL = 1e-5
 """|grad - reference| / |reference| over all parameters: float32 with SkyRL's forward
 against Hugging Face's is ~2e-7 here; a wrong normalizer is off by 1/8 or more."""
@@ -50,110 +50,6 @@ SPLIT_RTOL = 1e-6
 """The same between two layouts of lossreduce's worker (float32 reordering)."""
 STOCK_SPLIT_SPREAD = 0.1
 """Stock SkyRL's entropy gradient moves at least this much between micro-batch sizes."""
-PG_ONLY: dict[str, Any] = {"kl": False, "entropy": False}
-POLICY_LOSSES = (
-    "regular",
-    "dual_clip",
-    "gspo",
-    "cispo",
-    "sapo",
-    "dppo",
-    "rollout_is",
-    "importance_sampling",
-)
-"""SkyRL 0.4's registered policy losses that lossreduce runs (the others are refused)."""
-ENTROPY_ONLY: dict[str, Any] = {"kl": False, "zero_advantages": True}
-KL_ONLY: dict[str, Any] = {"entropy": False, "zero_advantages": True}
-
-
-def layout_cases(layout: str, target: str) -> list[Case]:
-    world, _ = LAYOUTS[layout]
-    cases = [
-        Case("stock-entropy", worker="stock", **ENTROPY_ONLY),
-        Case("entropy", **ENTROPY_ONLY),
-        Case("stock-kl", worker="stock", **KL_ONLY),
-        Case("kl-seq_mean", kl_mode="seq_mean", **KL_ONLY),
-        Case("stock-pg", worker="stock", **PG_ONLY),
-        Case("pg", **PG_ONLY),
-    ]
-    if layout in INVARIANCE_LAYOUTS:
-        cases += [Case(f"all-{mode}", mode=mode, divisor=div) for mode, div in MODES.items()]
-        cases.append(
-            Case(
-                "mixed-modes",
-                mode="seq_mean",
-                kl_mode="constant",
-                entropy_mode="prompt_mean",
-                divisor=DIVISOR,
-            )
-        )
-        cases.append(Case("token-budget", mode="prompt_mean", max_tokens=12))
-    if world == 2 and layout == "dp2-mb2":
-        cases += [
-            Case("nan-advantage", mode="prompt_mean", batch="nan_advantage"),
-            Case(
-                "inf-advantage-coordinator",
-                batch="inf_advantage",
-                normalizer="coordinator",
-                coordinator=target,
-            ),
-            Case(
-                "empty-raise-coordinator",
-                batch="all_masked",
-                normalizer="coordinator",
-                coordinator=target,
-            ),
-            Case(
-                "empty-skip",
-                batch="all_masked",
-                on_empty_step="skip",
-                optimizer="adamw",
-                step=True,
-            ),
-            Case("adamw-step", optimizer="adamw", step=True),
-            Case("stock-ab", worker="stock", optimizer="sgd", step=True, **PG_ONLY),
-            Case("ab", optimizer="sgd", step=True, **PG_ONLY),
-            Case(
-                "stock-ab-dense",
-                worker="stock",
-                batch="dense",
-                entropy=False,
-                optimizer="sgd",
-                step=True,
-            ),
-            Case(
-                "ab-dense-seq-kl",
-                batch="dense",
-                kl_mode="seq_mean",
-                entropy=False,
-                optimizer="sgd",
-                step=True,
-            ),
-            Case("seq_mean-counts", mode="seq_mean", **PG_ONLY),
-            Case(
-                "stock-nan-advantage",
-                worker="stock",
-                batch="nan_advantage",
-                optimizer="adamw",
-                step=True,
-            ),
-            Case("stock-empty", worker="stock", batch="all_masked", optimizer="adamw", step=True),
-        ]
-        for loss in POLICY_LOSSES:
-            for worker in ("stock", "lossreduce"):
-                cases.append(
-                    Case(
-                        f"{worker}-loss-{loss}",
-                        worker=worker,
-                        policy_loss=loss,
-                        rollout_logprobs=True,
-                        on_policy=True,
-                        # SkyRL skips the old log-probabilities' forward for these two.
-                        without_old=loss in ("rollout_is", "dppo"),
-                        **PG_ONLY,
-                    )
-                )
-    return cases
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +269,50 @@ def test_every_policy_loss_skyrl_ships_gives_skyrls_own_token_mean_update(
     assert any(bool(g.any()) for g in ours.values())
 
 
+# -- the z-score (advantage_batch_normalize) over active tokens --------------------------
+
+
+def test_with_the_z_score_a_nan_under_the_mask_trains_as_a_zero_there(
+    results: Results, model_dir: Path
+) -> None:
+    """``advantage_batch_normalize``: a NaN advantage at every token of the masked response
+    and at a padding token of an active one trains as the same batch with 0 there (bit for
+    bit on 2 ranks), on 1 rank as on 2, and as the formula with the advantages z-scored
+    over the active tokens. SkyRL's own z-score turns every advantage NaN here
+    (``test_skyrl_statistics.py``)."""
+    from lossreduce.trainer_worker.integrations.skyrl.plan import z_score
+
+    nan = ok(results, "dp2-mb2", "zscore-masked-nan")[0]["update"]
+    zero = ok(results, "dp2-mb2", "zscore-masked-zero")[0]["update"]
+    assert sorted(nan) == sorted(zero)
+    for name, delta in zero.items():
+        assert torch.equal(nan[name], delta), name
+    assert relative(ok(results, "dp1-mb8", "zscore-masked-nan")[0]["update"], zero) <= SPLIT_RTOL
+    batch = tiny_skyrl.rows()
+    scored = tiny_skyrl.with_advantages(batch, z_score(batch.advantages, batch.loss_mask))
+    want = tiny_skyrl.reference_grads(model_dir, scored, tiny_skyrl.Terms())
+    for layout in ("dp1-mb8", "dp2-mb2"):
+        assert relative(grads(results, layout, "zscore-masked-nan"), want) <= FORMULA_RTOL
+
+
+def test_with_the_z_score_a_nan_advantage_is_refused_naming_its_row_alone(
+    results: Results,
+) -> None:
+    """With ``advantage_batch_normalize`` a NaN at one active token stays at that token
+    (SkyRL's z-score would spread it to all 30): the refusal names rank 1's row 2, the
+    mini-batch's row 6, and nothing else."""
+    peer, owner = results("dp2-mb2", "zscore-nan-active")
+    assert owner["error_type"] == "InvalidPartialError", owner["error"]
+    assert (
+        "advantages: nan at 1 active tokens of rank 1 rows [2] (mini-batch rows [6])"
+        in owner["error"]
+    )
+    assert peer["error_type"] == "RoundAbortedError", peer["error"]
+    assert "rank 1" in peer["error"]
+    for rank in (owner, peer):
+        assert "grads" not in rank  # refused before any backward
+
+
 # -- bad input, empty mini-batches -----------------------------------------------------
 
 
@@ -435,5 +375,127 @@ def test_an_empty_mini_batch_is_skipped_on_every_rank_without_an_optimizer_step(
         assert all(not bool(delta.any()) for delta in rank["update"].values())
         assert rank["metrics"]["lossreduce/skipped"] == 1.0
     for rank in ok(results, "dp2-mb2", "adamw-step"):  # the same step, not empty, does move
+        assert rank["optimizer_steps"] > 0
+        assert any(bool(delta.any()) for delta in rank["update"].values())
+
+
+# -- the critic: SkyRL's value loss as the term vf --------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", CRITIC_LAYOUTS)
+def test_the_critics_value_loss_is_the_formula_whatever_the_split(
+    results: Results, model_dir: Path, layout: str, mode: str
+) -> None:
+    """``LossReduceCriticWorker``: SkyRL's clipped value loss per token, reduced in each
+    ``critic_mode`` over the mini-batch's active units, on 1 rank with 1 or 8
+    micro-batches and on 2 ranks with 4 each (the reference: SkyRL's critic model with
+    the worker's initial weights, the formula in one process)."""
+    case = f"critic-{mode}"
+    initial = ok(results, layout, case)[0]["initial"]
+    want = tiny_skyrl.reference_value_grads(
+        initial, model_dir, tiny_skyrl.rows(), mode=mode, divisor=MODES[mode], value_clip=VALUE_CLIP
+    )
+    got = grads(results, layout, case)
+    assert relative(got, want) <= FORMULA_RTOL
+    assert relative(got, grads(results, "dp1-mb8", case)) <= SPLIT_RTOL
+
+
+def test_the_critics_normalizers_count_active_units_and_its_clip_is_skyrls(
+    results: Results,
+) -> None:
+    """25 active tokens, 7 active responses (the masked one not counted), 3 prompt groups;
+    SkyRL's value clip clips some of the tokens and not all."""
+    counts = {"token_mean": 25.0, "seq_mean": 7.0, "prompt_mean": 3.0, "constant": 7.0}
+    assert float(tiny_skyrl.rows().loss_mask.sum()) == counts["token_mean"]
+    for layout in CRITIC_LAYOUTS:
+        for mode, count in counts.items():
+            for rank in ok(results, layout, f"critic-{mode}"):
+                assert rank["normalizers"] == {"vf": count}, (layout, mode)
+                assert rank["metrics"]["lossreduce/normalizer/vf"] == count
+    clipped = ok(results, "dp1-mb8", "critic-token_mean")[0]["metrics"]["values_clipfrac"]
+    assert 0.0 < clipped < 1.0
+
+
+def test_the_critic_with_token_based_micro_batches_gives_the_formula(
+    results: Results, model_dir: Path
+) -> None:
+    """``max_tokens_per_microbatch`` reorders rows and pads ranks with empty micro-batches."""
+    initial = ok(results, "dp2-mb1", "critic-token-budget")[0]["initial"]
+    want = tiny_skyrl.reference_value_grads(
+        initial,
+        model_dir,
+        tiny_skyrl.rows(),
+        mode="prompt_mean",
+        divisor=None,
+        value_clip=VALUE_CLIP,
+    )
+    assert relative(grads(results, "dp2-mb1", "critic-token-budget"), want) <= FORMULA_RTOL
+
+
+def test_stock_skyrls_critic_counts_a_masked_response_as_a_zero(results: Results) -> None:
+    """SkyRL's critic averages each response's token mean over all 8 responses, the masked
+    one as 0: its update (SGD, lr 1) is 7/8 of lossreduce's ``critic_mode=seq_mean``."""
+    stock = ok(results, "dp1-mb8", "stock-critic")[0]["update"]
+    seq = grads(results, "dp1-mb8", "critic-seq_mean")
+    assert relative(stock, {n: -g * 7 / 8 for n, g in seq.items()}) <= FORMULA_RTOL
+
+
+def test_with_every_response_active_seq_mean_is_skyrls_own_critic_update(
+    results: Results,
+) -> None:
+    """No masked response and micro-batches of one size: SkyRL's critic update (SGD, lr 1,
+    2 ranks x 2 micro-batches) is lossreduce's ``critic_mode=seq_mean``."""
+    stock = ok(results, "dp2-mb2", "stock-critic-ab-dense")[0]["update"]
+    ours = ok(results, "dp2-mb2", "critic-ab-dense")[0]["update"]
+    assert relative(ours, stock) <= 1e-6
+
+
+def test_a_nan_under_the_critics_mask_does_no_harm(results: Results) -> None:
+    """NaN values and returns at every token of the masked response and at a padding token
+    of an active one: the same update, bit for bit, as the clean batch."""
+    clean = ok(results, "dp2-mb2", "critic-sgd")
+    masked = ok(results, "dp2-mb2", "critic-masked-nan")
+    for want, got in zip(clean, masked, strict=True):
+        assert any(bool(delta.any()) for delta in want["update"].values())
+        for name, delta in want["update"].items():
+            assert torch.equal(got["update"][name], delta), name
+        assert got["normalizers"] == want["normalizers"] == {"vf": 25.0}
+
+
+def test_a_nan_return_is_refused_on_every_critic_rank_before_backward(results: Results) -> None:
+    peer, owner = results("dp2-mb2", "critic-nan-return")
+    assert owner["error_type"] == "InvalidPartialError", owner["error"]
+    assert (
+        "returns: nan at 1 active tokens of rank 1 rows [2] (mini-batch rows [6])"
+        in (owner["error"])
+    )
+    assert peer["error_type"] == "RoundAbortedError", peer["error"]
+    assert "rank 1" in peer["error"]
+    for rank in (owner, peer):
+        assert "grads" not in rank  # refused before any backward
+        assert not rank["grads_left"]
+
+
+def test_an_empty_critic_mini_batch_is_refused_on_every_rank_through_the_coordinator(
+    results: Results,
+) -> None:
+    for rank in results("dp2-mb2", "critic-empty-raise-coordinator"):
+        assert rank["error_type"] == "EmptyNormalizerError", rank["error"]
+        assert "vf" in rank["error"]
+        assert "'critic'" in rank["error"]
+
+
+def test_an_empty_critic_mini_batch_is_skipped_on_every_rank_without_an_optimizer_step(
+    results: Results,
+) -> None:
+    for rank in ok(results, "dp2-mb2", "critic-empty-skip"):
+        assert rank["skipped_steps"] == 1
+        assert rank["normalizers"] is None
+        assert rank["grad_norm"] is None
+        assert rank["optimizer_steps"] == 0
+        assert all(not bool(delta.any()) for delta in rank["update"].values())
+        assert rank["metrics"]["lossreduce/skipped"] == 1.0
+    for rank in ok(results, "dp2-mb2", "critic-adamw-step"):  # not empty: it does move
         assert rank["optimizer_steps"] > 0
         assert any(bool(delta.any()) for delta in rank["update"].values())

@@ -45,8 +45,20 @@ KL_COEF = 0.1
 ENTROPY_COEF = 0.01
 
 
+def critic_dir(model_dir: Path) -> Path:
+    """Where :func:`save_model` puts the critic's model."""
+    return model_dir / "critic"
+
+
 def save_model(folder: Path) -> Path:
-    """A seeded 1-layer Qwen2 over :data:`VOCAB` tokens, saved to ``folder``."""
+    """A seeded 1-layer Qwen2 over :data:`VOCAB` tokens, saved to ``folder``, and the same
+    with tied embeddings in :func:`critic_dir` for the critic.
+
+    The critic's are tied because SkyRL 0.4.0 builds an untied critic on every rank but
+    the first from ``transformers.modeling_utils.no_init_weights``
+    (``get_llm_for_sequence_regression``), which transformers 5.16.1 no longer has: stock
+    SkyRL's critic fails at start on two ranks with an untied model (docs/frameworks/
+    skyrl.md)."""
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=VOCAB,
@@ -60,7 +72,10 @@ def save_model(folder: Path) -> Path:
         pad_token_id=PAD,
         eos_token_id=EOS,
     )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
+    config.tie_word_embeddings = True
+    Qwen2ForCausalLM(config).save_pretrained(critic_dir(folder))
     return folder
 
 
@@ -76,6 +91,8 @@ class Rows:
     old_log_probs: torch.Tensor  # [B, R]
     ref_log_probs: torch.Tensor  # [B, R]
     group: torch.Tensor  # [B] prompt group of each row
+    values: torch.Tensor  # [B, R] the critic's values at the rollout (old values)
+    returns: torch.Tensor  # [B, R]
 
     @property
     def size(self) -> int:
@@ -118,6 +135,9 @@ def rows(*, masked_row: int | None = MASKED_ROW, all_masked: bool = False) -> Ro
     old = -2.0 - torch.rand(shape, generator=gen)
     ref = old + 0.3 * torch.randn(shape, generator=gen)
     advantages = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
+    # Old values near the returns, so that value_clip clips some tokens and not others.
+    returns = torch.randn(shape, generator=gen)
+    values = returns + 0.4 * torch.randn(shape, generator=gen)
     return Rows(
         sequences=sequences,
         attention_mask=attention,
@@ -127,6 +147,8 @@ def rows(*, masked_row: int | None = MASKED_ROW, all_masked: bool = False) -> Ro
         old_log_probs=old,
         ref_log_probs=ref,
         group=torch.tensor(group),
+        values=values * response_mask,
+        returns=returns * response_mask,
     )
 
 
@@ -165,6 +187,8 @@ def training_batch(batch: Rows, **extra: torch.Tensor) -> Any:
             "advantages": batch.advantages,
             "action_log_probs": batch.old_log_probs,
             "base_action_log_probs": batch.ref_log_probs,
+            "values": batch.values,
+            "returns": batch.returns,
             **extra,
         }
     )
@@ -260,3 +284,55 @@ def reference_grads(model_dir: Path, batch: Rows, terms: Terms) -> dict[str, tor
     model.float()
     reference_loss(model, batch, terms).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# -- the critic's reference ------------------------------------------------------------
+
+
+def critic_values(state: dict[str, torch.Tensor], model_dir: Path, batch: Rows) -> torch.Tensor:
+    """SkyRL's critic (its ``CriticModel``: the Qwen2 backbone and a bias-free value head)
+    with the weights ``state`` (by SkyRL's parameter names), on ``batch``: the value of
+    every response token, ``[B, R]``, as a function of the weights in ``state``."""
+    from torch.func import functional_call
+    from transformers import Qwen2Model
+
+    config = Qwen2Config.from_pretrained(critic_dir(model_dir))
+    config._attn_implementation = "sdpa"
+    backbone = Qwen2Model(config).float()
+    head = torch.nn.Linear(config.hidden_size, 1, bias=False)
+    position_ids = batch.attention_mask.long().cumsum(-1) - 1
+    position_ids.masked_fill_(batch.attention_mask == 0, 1)
+    inner = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    hidden = functional_call(
+        backbone,
+        inner,
+        args=(batch.sequences,),
+        kwargs={"attention_mask": batch.attention_mask, "position_ids": position_ids},
+    ).last_hidden_state  # [B, L, H]
+    values: torch.Tensor = functional_call(head, {"weight": state["value_head.weight"]}, (hidden,))
+    return values.squeeze(-1)[:, :-1][:, -batch.response_length :]
+
+
+def reference_value_grads(
+    state: dict[str, torch.Tensor],
+    model_dir: Path,
+    batch: Rows,
+    *,
+    mode: str,
+    divisor: float | None,
+    value_clip: float | None,
+) -> dict[str, torch.Tensor]:
+    """Every critic parameter's gradient of the value loss
+    ``0.5 * max((clip(V) - R)^2, (V - R)^2)`` reduced in ``mode`` over the whole batch
+    (active units only), from the weights ``state``, by SkyRL's parameter names."""
+    weights = {n: w.detach().clone().float().requires_grad_(True) for n, w in state.items()}
+    values = critic_values(weights, model_dir, batch)
+    m = batch.loss_mask.bool()
+    old = torch.where(m, batch.values, 0.0)
+    returns = torch.where(m, batch.returns, 0.0)
+    loss = (values - returns) ** 2
+    if value_clip is not None:
+        clipped = old + (values - old).clamp(-value_clip, value_clip)
+        loss = torch.max((clipped - returns) ** 2, loss)
+    _reduce(0.5 * loss, batch, mode, divisor).backward()
+    return {n: w.grad.detach().clone() for n, w in weights.items() if w.grad is not None}

@@ -99,3 +99,15 @@ def contract(
         return run(LAYOUTS[world], cases(world, coordinator_target), model_dir, out, free_port())
 
     return TrlRow(cached_runs(results, "TRL contract processes"))
+
+
+def test_a_nan_advantage_is_named_by_its_row_as_trl_generated_it(contract: TrlRow) -> None:
+    """TRL shuffles each process's generation batch before it splits it into micro-steps
+    (``shuffle_sequence_dict``, always): the refusal names the poisoned row by its place in
+    the generation batch as generated, on process 1 of 2 (6 rows each), not by where the
+    shuffle put it."""
+    culprit = contract.results(2)[1][Case.NAN_ACTIVE.value]
+    row = culprit["poisoned_row"]
+    assert row is not None
+    message = culprit["error"]["message"]
+    assert f"of rank 1 rows [{row}] (generation-batch rows [{6 + row}])" in message, message

@@ -159,6 +159,8 @@ def _poison_advantage(trainer: Any, where: str) -> None:
             advantages = output["advantages"].clone()
             advantages[int(rows[0])] = float("nan")
             output["advantages"] = advantages
+            # Where the NaN is in the generation batch as generated (TRL shuffles next).
+            trainer.poisoned_row = int(rows[0])
         return output
 
     trainer._generate_and_score_completions = poisoned
@@ -268,6 +270,7 @@ def _run_case(case: Case, layout: Layout, model_dir: Path, out: Path) -> dict[st
     result["optimizer"] = snapshot.optimizer
     result["rows"] = _window_rows(trainer, layout)
     result["skipped_steps"] = getattr(trainer, "skipped_steps", None)
+    result["poisoned_row"] = getattr(trainer, "poisoned_row", None)
     result["job"] = getattr(trainer, "reduction_job", None)
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result["logs"] = [h for h in trainer.state.log_history if "loss" in h]
