@@ -138,14 +138,29 @@ def group_ids(uids: list[str]) -> list[int]:
     return [index.setdefault(u, len(index)) for u in uids]
 
 
-def bad_inputs(mask: Tensor, inputs: Mapping[str, Tensor], rank: int = 0) -> list[str]:
+def bad_inputs(
+    mask: Tensor,
+    inputs: Mapping[str, Tensor],
+    rank: int = 0,
+    *,
+    rows: Tensor | None = None,
+    share: int | None = None,
+    batch: str = "mini-batch",
+) -> list[str]:
     """Each input (``[B, T]``, like ``mask``) with a NaN or inf where ``mask`` is set,
     as ``"advantages: nan at 3 active tokens of rank 1 rows [1, 4] (mini-batch rows
     [5, 8])"``; masked positions are ignored (they are zeroed before the loss).
 
-    ``mask`` holds data-parallel rank ``rank``'s rows of a mini-batch split into equal
-    chunks in rank order (verl's and SkyRL's dispatch), so rank ``r``'s row ``i`` is
-    the mini-batch's ``r * B + i``, the index a user finds in what the trainer sent."""
+    Rows are named as the trainer dispatched them: ``rows`` (``[B]``) gives each of
+    ``mask``'s rows its index in the ``batch`` the trainer sent, whatever order the
+    framework put them in since (a shuffle, a length-balanced split), and ``share`` how
+    many of that batch's rows each rank was sent (rank ``r``'s ``i``-th row is
+    ``r * share + i``). Without them ``mask`` holds rank ``rank``'s rows of a batch split
+    into equal chunks in rank order (verl's and SkyRL's dispatch): row ``i`` is the
+    batch's ``rank * B + i``."""
+    if rows is None:
+        rows = rank * mask.shape[0] + torch.arange(mask.shape[0])  # [B]
+    share = mask.shape[0] if share is None else share
     active = mask.bool()
     found = []
     for name, values in inputs.items():
@@ -153,11 +168,11 @@ def bad_inputs(mask: Tensor, inputs: Mapping[str, Tensor], rank: int = 0) -> lis
         count = int(bad.sum())
         if count:
             first = float(values[bad][0])
-            rows = sorted({int(r) for r in bad.nonzero()[:, 0].tolist()})
-            overall = [rank * mask.shape[0] + r for r in rows]
+            overall = sorted({int(rows[r]) for r in bad.nonzero()[:, 0].tolist()})
+            own = [r - rank * share for r in overall]
             what = "nan" if math.isnan(first) else repr(first)
             found.append(
-                f"{name}: {what} at {count} active tokens of rank {rank} rows {rows} "
-                f"(mini-batch rows {overall})"
+                f"{name}: {what} at {count} active tokens of rank {rank} rows {own} "
+                f"({batch} rows {overall})"
             )
     return found

@@ -6,17 +6,16 @@ generated them (before its shuffle)."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lossreduce.errors import EmptyNormalizerError, LossReduceError
 from lossreduce.trainer_worker.integrations.worker_rounds import bad_input_error
 from lossreduce.trainer_worker.normalizers import NormalizerHandle
+from lossreduce.trainer_worker.step_rows import bad_inputs
 
 __all__ = ["MicroStep", "Window", "generated_bad_inputs", "loss_mask"]
 
@@ -94,18 +93,4 @@ def generated_bad_inputs(
     gathered over the processes, as generated (process ``rank``'s ``i``-th row is
     ``rank * per_process + i``, TRL's own order when it scores groups): the rows are
     named by that index and by ``i``."""
-    active = mask.bool()
-    found = []
-    for name, values in inputs.items():
-        bad = active & ~torch.isfinite(values)  # [B, T]
-        count = int(bad.sum())
-        if count:
-            first = float(values[bad][0])
-            overall = sorted({int(rows[r]) for r in bad.nonzero()[:, 0].tolist()})
-            own = [r - rank * per_process for r in overall]
-            what = "nan" if math.isnan(first) else repr(first)
-            found.append(
-                f"{name}: {what} at {count} active tokens of rank {rank} rows {own} "
-                f"(generation-batch rows {overall})"
-            )
-    return found
+    return bad_inputs(mask, inputs, rank, rows=rows, share=per_process, batch="generation-batch")
