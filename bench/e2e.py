@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from lossreduce.bench.frameworks.areal import ArealBenchSettings
     from lossreduce.bench.frameworks.skyrl import SkyRLBenchSettings
     from lossreduce.bench.frameworks.verl import VerlBenchSettings
+    from lossreduce.trainer_worker.integrations.verl.settings import StatisticsScope
 
 __all__ = [
     "FRAMEWORK_E2E_KEYS",
@@ -215,30 +216,55 @@ def run_verl_megatron_e2e(
     return _framework_step("verl Megatron", "token-mean", "verl", result)
 
 
+STATISTICS_MINI_BATCHES = (1, 4)
+"""PPO mini-batches a step :func:`run_verl_statistics_e2e` times: one, where every
+mini-batch is a step's first, and four, where one in four is."""
+STATISTICS_VARIANTS: tuple[tuple[StatisticsScope, bool, str], ...] = (
+    ("mini_batch", False, "mini_batch"),
+    ("mini_batch", True, "mini_batch_reused"),
+    ("per_call", False, "per_call"),
+)
+"""(statistics, the batch marked with old_log_prob current, label): lossreduce's statistic
+over the mini-batch with a forward on every mini-batch, with ``old_log_prob`` reused on a
+step's first (as the trainer mode marks its batches), and verl's own per call."""
+
+
 def run_verl_statistics_e2e() -> dict[str, float | int] | None:
     """What verl's ``kl_cov`` costs with its statistic over the whole mini-batch: a
-    lossreduce actor step (``statistics='mini_batch'``: a no-grad forward of the
-    mini-batch, then the statistics' rounds) against stock verl's ``kl_cov`` (per
-    micro-batch, in the loss), and lossreduce with ``statistics='per_call'`` (verl's own)
-    against the same, each ABBA in one process. No target: the forward is the price of a
-    split-invariant statistic; None, said in one line, when verl is not installed."""
+    lossreduce actor step against stock verl's ``kl_cov`` (per micro-batch, in the loss),
+    at 1 and 4 mini-batches a step (:data:`STATISTICS_MINI_BATCHES`), for each of
+    :data:`STATISTICS_VARIANTS`: ``statistics='mini_batch'`` with a no-grad forward of
+    every mini-batch, the same with the batch marked as the trainer mode marks one whose
+    ``old_log_prob`` the actor recomputed (a step's first mini-batch reuses it, no
+    forward), and ``statistics='per_call'`` (verl's own), each ABBA in one process. No
+    target: the forward is the price of a split-invariant statistic; None, said in one
+    line, when verl is not installed."""
     if _verl_missing("verl kl_cov step"):
         return None
     from lossreduce.bench.frameworks.verl import VerlBenchSettings, run_verl_bench
 
     out: dict[str, float | int] = {}
-    for scope in ("mini_batch", "per_call"):
-        result = run_verl_bench(VerlBenchSettings(loss_mode="kl_cov", statistics=scope))
-        print(
-            f"  verl kl_cov step, statistics={scope}: lossreduce "
-            f"{result.lossreduce_step_s * 1e3:.1f} ms vs verl {result.verl_step_s * 1e3:.1f} ms "
-            f"(median of {result.lossreduce_steps} / {result.verl_steps} steps, ABBA): "
-            f"ratio {result.ratio:.3f}",
-            flush=True,
-        )
-        out[f"{scope}_lossreduce_step_s"] = result.lossreduce_step_s
-        out[f"{scope}_verl_step_s"] = result.verl_step_s
-        out[f"{scope}_ratio"] = result.ratio
+    for mini_batches in STATISTICS_MINI_BATCHES:
+        for scope, current, label in STATISTICS_VARIANTS:
+            result = run_verl_bench(
+                VerlBenchSettings(
+                    loss_mode="kl_cov",
+                    statistics=scope,
+                    mini_batches=mini_batches,
+                    old_log_probs_current=current,
+                )
+            )
+            print(
+                f"  verl kl_cov step, {mini_batches} mini-batch(es), {label}: lossreduce "
+                f"{result.lossreduce_step_s * 1e3:.1f} ms vs verl "
+                f"{result.verl_step_s * 1e3:.1f} ms (median of {result.lossreduce_steps} / "
+                f"{result.verl_steps} steps, ABBA): ratio {result.ratio:.3f}",
+                flush=True,
+            )
+            key = f"mb{mini_batches}_{label}"
+            out[f"{key}_lossreduce_step_s"] = result.lossreduce_step_s
+            out[f"{key}_verl_step_s"] = result.verl_step_s
+            out[f"{key}_ratio"] = result.ratio
     return out
 
 
@@ -340,7 +366,8 @@ def _framework_steps() -> tuple[tuple[str, str, Callable[[], object]], ...]:
         ("e2e_verl", "a verl actor step, lossreduce normalizers vs verl's token-mean", run_verl_e2e),
         ("e2e_verl_megatron", "a verl Megatron actor step, lossreduce vs verl's token-mean",
          run_verl_megatron_e2e),
-        ("e2e_verl_statistics", "verl's kl_cov, its statistic over the mini-batch vs per call",
+        ("e2e_verl_statistics", "verl's kl_cov, its statistic over the mini-batch vs per call, "
+         "at 1 and 4 mini-batches a step",
          run_verl_statistics_e2e),
         ("e2e_verl_main_ppo", "verl main_ppo, the lossreduce trainer mode vs stock",
          run_verl_main_ppo_e2e),

@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lossreduce.bench.frameworks.abba import PAD, save_qwen2, time_abba
 from lossreduce.trainer_worker.cpu_standins.verl.env import CPU_ENV
@@ -49,7 +49,23 @@ class VerlBenchSettings(BaseModel):
         ge=1,
         description="ABBA rounds after the warm-up; each runs each worker's mini-batch step twice.",
     )
-    responses: int = Field(default=32, ge=2, description="Responses per mini-batch.")
+    responses: int = Field(
+        default=32, ge=2, description="Responses per timed step (the batch verl's trainer sends)."
+    )
+    mini_batches: int = Field(
+        default=1,
+        ge=1,
+        description="PPO mini-batches (optimizer steps) the step's responses are split into, "
+        "each of responses / mini_batches responses.",
+    )
+    old_log_probs_current: bool = Field(
+        default=False,
+        description="Mark the batch as the lossreduce trainer mode marks one whose "
+        "old_log_prob the actor recomputed for this update: with statistics='mini_batch', "
+        "lossreduce's first mini-batch then takes its statistic from old_log_prob instead "
+        "of a no-grad forward (the bench's old log-probabilities are made up; the time does "
+        "not depend on their values).",
+    )
     group_size: int = Field(default=4, ge=1, description="Responses per prompt group.")
     micro_batch_size: int = Field(default=8, ge=1, description="Micro-batch size (responses).")
     prompt_length: int = Field(default=8, ge=1, description="Tokens per prompt.")
@@ -80,6 +96,16 @@ class VerlBenchSettings(BaseModel):
         "megatron-core and mbridge, verl's mcore extra).",
     )
 
+    @model_validator(mode="after")
+    def _mini_batches_divide(self) -> VerlBenchSettings:
+        per = self.responses // self.mini_batches
+        if self.responses % self.mini_batches or per % self.micro_batch_size:
+            raise ValueError(
+                f"responses={self.responses} must split into mini_batches={self.mini_batches} "
+                f"of a multiple of micro_batch_size={self.micro_batch_size} responses each"
+            )
+        return self
+
 
 @dataclass(frozen=True)
 class VerlBenchResult:
@@ -97,7 +123,7 @@ class VerlBenchResult:
 
 
 def _batch(settings: VerlBenchSettings) -> Any:
-    """One mini-batch in the layout verl's trainer hands ``update_actor``."""
+    """One step's batch in the layout verl's trainer hands ``update_actor``."""
     import torch
     from tensordict import NonTensorStack, TensorDict
     from verl.utils import tensordict_utils as tu
@@ -130,11 +156,16 @@ def _batch(settings: VerlBenchSettings) -> Any:
         batch_size=[n],
     )
     td = left_right_2_no_padding(td)
+    if settings.old_log_probs_current:
+        from lossreduce.trainer_worker.integrations.verl.worker import OLD_LOG_PROBS_CURRENT_KEY
+
+        tu.assign_non_tensor(td, **{OLD_LOG_PROBS_CURRENT_KEY: True})
+    per = n // settings.mini_batches
     tu.assign_non_tensor(
         td,
         calculate_entropy=False,
-        global_batch_size=n,
-        mini_batch_size=n,
+        global_batch_size=per,
+        mini_batch_size=per,
         epochs=1,
         seed=settings.seed,
         dataloader_kwargs={"shuffle": False},
@@ -197,7 +228,7 @@ def _worker(settings: VerlBenchSettings, model_dir: Path, lossreduce: bool) -> A
     )
     actor = ActorConfig(
         strategy=settings.strategy,
-        ppo_mini_batch_size=settings.responses,
+        ppo_mini_batch_size=settings.responses // settings.mini_batches,
         ppo_micro_batch_size_per_gpu=settings.micro_batch_size,
         rollout_n=1,
         policy_loss=PolicyLossConfig(loss_mode=settings.loss_mode),

@@ -14,7 +14,8 @@ with the row weights and partial normalizers of :mod:`.plan`. The row weights en
 as a weighted mask (verl sums the per-token loss times its mask), so the loss is
 verl's own, term for term. The round is the same on every rank, before any
 backward: a NaN or inf return or old value at an active token is named on the
-rank that holds it (peers abort naming that rank), and a mini-batch with no
+rank that holds it, with its rows as the trainer dispatched them whatever
+``critic.shuffle`` did (peers abort naming that rank), and a mini-batch with no
 active token raises :class:`~lossreduce.errors.EmptyNormalizerError` everywhere
 or, with ``on_empty_step='skip'``, trains nothing anywhere.
 
@@ -54,7 +55,7 @@ from lossreduce.trainer_worker.integrations.verl.options import critic_problems,
 from lossreduce.trainer_worker.integrations.verl.plan import (
     VALUE_TERM,
     MiniBatchPlan,
-    bad_inputs,
+    dispatched_bad_inputs,
     plan_mini_batch,
 )
 from lossreduce.trainer_worker.integrations.verl.worker_base import (
@@ -190,7 +191,7 @@ class LossReduceCriticWorker(ReducingTrainingWorker):
             main_term=VALUE_TERM,
         )
         inputs = {name: padded(data[name]).cpu() for name in ("returns", "values")}
-        return plan, bad_inputs(mask.cpu(), inputs, rank)
+        return plan, dispatched_bad_inputs(mask.cpu(), inputs, rank, *self.dispatched_rows(data))
 
     @register(  # type: ignore[untyped-decorator]
         dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False

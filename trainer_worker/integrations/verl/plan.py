@@ -14,11 +14,17 @@ with the weights and partials of :func:`lossreduce.trainer_worker.step_rows.plan
 row without active tokens has weight 0 and is counted nowhere. The KL and
 entropy terms are token means, each with its own normalizer (the tokens).
 
+A bad input is named by the rows as the trainer dispatched them
+(:func:`dispatched_bad_inputs`): verl's data loader may reorder a rank's share before
+the check (``actor.shuffle``, ``critic.shuffle``) and splits it into mini-batches, so a
+row's place in the mini-batch the check sees is not where the user finds it.
+
 No verl, gRPC or process group here: the worker gathers what ranks must share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +40,7 @@ __all__ = [
     "VALUE_TERM",
     "MiniBatchPlan",
     "bad_inputs",
+    "dispatched_bad_inputs",
     "group_ids",
     "plan_mini_batch",
 ]
@@ -80,3 +87,17 @@ def plan_mini_batch(
             partials[term] = tokens.clone()
             contracts[term] = token_mean
     return MiniBatchPlan(weights=plan.weights, partials=partials, contracts=contracts)
+
+
+def dispatched_bad_inputs(
+    mask: Tensor, inputs: Mapping[str, Tensor], rank: int, rows: Tensor, share: int
+) -> list[str]:
+    """Each input (``[B, T]``, like ``mask``) with a NaN or inf where ``mask`` is set, its
+    rows named as the trainer dispatched them: ``"returns: nan at 1 active tokens of rank 1
+    rows [2] (mini-batch rows [6])"``, rank 1's row 2 of the ``share`` rows it was sent, row
+    6 of the batch the trainer sent (verl's ``train_mini_batch``); masked positions are
+    ignored (they are zeroed before the loss).
+
+    ``rows``: ``[B]`` each row's index in that batch (``rank * share + i`` for the rank's
+    ``i``-th row), in the order of ``mask``'s rows, whatever order verl put them in."""
+    return bad_inputs(mask, inputs, rank, rows=rows, share=share)

@@ -10,6 +10,11 @@ entry point (e.g. lossreduce not installed as a package)
 ``VERL_USE_EXTERNAL_MODULES=lossreduce.trainer_worker.integrations.verl.plugin``
 loads it the same way.
 
+Before each actor update it tells the actor's ranks whether the trainer recomputed
+``old_log_prob`` with the actor for it (every step but in rollout correction's bypass
+mode, where ``old_log_prob`` is the rollout's): the first mini-batch's statistics then
+reuse it instead of a forward (:meth:`LossReducePPOTrainer._update_actor`).
+
 At the end of verl's set-up, once the trainer has loaded its checkpoint (or found
 none) and before its first rollout, the trainer mode has every actor rank claim its
 job and group from the round the run sends first, so a launch another run's claim
@@ -38,6 +43,7 @@ from lossreduce.trainer_worker.integrations.verl.launch import (
     check_launch,
 )
 from lossreduce.trainer_worker.integrations.verl.worker import (
+    OLD_LOG_PROBS_CURRENT_KEY,
     LossReduceActorRolloutRefWorker,
     RunClaim,
     describe_claims,
@@ -90,6 +96,16 @@ class LossReducePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
         self.role_worker_mapping = actor_worker_mapping(self.role_worker_mapping)
+
+    def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        """verl's actor update, its batch marked with whether ``old_log_prob`` is the
+        actor's own of this step (:data:`~.worker.OLD_LOG_PROBS_CURRENT_KEY`): verl's
+        ``_compute_old_log_prob`` recomputed it with the actor's current weights, which
+        no optimizer step has changed since, unless bypass mode took the rollout's."""
+        correction = self.config.algorithm.get("rollout_correction", None)
+        bypass = bool(correction is not None and correction.get("bypass_mode", False))
+        batch.extra_info[OLD_LOG_PROBS_CURRENT_KEY] = not bypass
+        return super()._update_actor(batch, metrics)
 
     def _load_checkpoint(self) -> None:
         """verl's resume, then the actor's claim of its (job, group) from the round it

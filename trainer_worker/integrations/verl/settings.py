@@ -52,6 +52,17 @@ class VerlReductionSettings(ReductionSettings):
             "update depends on the split)."
         ),
     )
+    reuse_old_log_prob: bool = Field(
+        default=True,
+        description=(
+            "With statistics='mini_batch': on the first mini-batch of a training step's first "
+            "epoch, when the lossreduce trainer mode says the actor recomputed old_log_prob "
+            "for this update (verl's default; not in rollout correction's bypass mode), take "
+            "the statistics from old_log_prob, which the same weights computed, instead of a "
+            "no-grad forward (on CPU in float32 the two are bit for bit the same). False: "
+            "the forward on every mini-batch."
+        ),
+    )
     critic_mode: PolicyGradientMode = Field(
         default=PolicyGradientMode.TOKEN_MEAN,
         description=(

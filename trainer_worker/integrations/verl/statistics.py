@@ -14,9 +14,11 @@ reduces, over the active tokens of every rank:
   tokens of largest covariance, ties kept together (a value-based global order
   statistic); ``clip_cov`` draws ``max(1, int(clip_cov_ratio * N))`` of its
   candidates (tokens in ``(clip_cov_lb, clip_cov_ub)`` that PPO's clip has not
-  clipped) by keys seeded by (job, round) and each token's place in the
-  mini-batch (row in the dispatched order, position), so every layout draws the
-  same tokens (``N``: the mini-batch's active tokens).
+  clipped) by keys of :func:`clip_cov_seed` and each token's identity (its row's,
+  :func:`row_identities`, from the row's tokens; its position), so every layout
+  draws the same tokens (``N``: the mini-batch's active tokens), and so does a
+  rerun of the same config and a resumed run: nothing in the key is drawn anew by
+  a launch or depends on the order in which verl's rollout returned the rows.
 - ``bypass_mode`` with ``rollout_is_batch_normalize``: the exact mean importance
   weight (per active token, or per active response for sequence-level weights).
 
@@ -46,12 +48,15 @@ from lossreduce.trainer_worker.token_stats import (
     global_kth_smallest,
     seed_of,
 )
+from lossreduce.trainer_worker.token_stats.keys import mix64
 
 __all__ = [
     "MiniBatchStatistics",
     "StatsPlace",
+    "clip_cov_seed",
     "covariance_selection",
     "mini_batch_importance_mean",
+    "row_identities",
 ]
 
 
@@ -89,6 +94,37 @@ class MiniBatchStatistics:
     metrics: dict[str, float] | None = None
 
 
+def clip_cov_seed(job: str, loader_seed: int | None, step: int) -> int:
+    """The seed of ``clip_cov``'s draw in mini-batch round ``step``: the job as configured
+    (``job``: the user's, or the framework's default *without* the run id a launch draws),
+    verl's ``actor.data_loader_seed`` (``loader_seed``; None where the config has none)
+    and the round, which verl's checkpoint restores on resume. A rerun of the same config
+    and a run resumed from a checkpoint draw what the first (uninterrupted) run drew; a
+    different seed or job draws anew."""
+    seed: str | int = "unset" if loader_seed is None else loader_seed
+    return seed_of("clip_cov", job, seed, step)
+
+
+def row_identities(tokens: Tensor, offsets: Tensor) -> Tensor:
+    """``[B]`` int64: each row's identity, from its tokens alone (prompt and response,
+    no padding): ``mix64(L_i ^ sum_t mix64(mix64(t) ^ x_i[t]))`` (wrapping int64), for
+    row ``i``'s ``L_i`` tokens ``x_i``. The same sequence has the same identity in any
+    run, layout, order or mini-batch, so ``clip_cov``'s draw does not depend on the order
+    in which verl's rollout returned the rows (which varies from run to run); two equal
+    sequences (the same response to the same prompt) share it, and each of their tokens
+    is drawn or left with its twin.
+
+    ``tokens``: ``[total]`` the rows' tokens one after another (a nested tensor's
+    ``values()``); ``offsets``: ``[B + 1]`` where each row starts, then the end."""
+    lengths = offsets.diff()  # [B]
+    rows = lengths.shape[0]
+    row = torch.repeat_interleave(torch.arange(rows, device=offsets.device), lengths)  # [total]
+    position = torch.arange(tokens.shape[0], device=offsets.device) - offsets[:-1][row]
+    mixed = mix64(mix64(position) ^ tokens.to(torch.int64))  # [total]
+    sums = torch.zeros(rows, dtype=torch.int64, device=offsets.device).index_add_(0, row, mixed)
+    return mix64(lengths.to(torch.int64) ^ sums)
+
+
 def covariance_selection(
     loss: VerlPolicyLoss,
     config: Any,
@@ -99,12 +135,14 @@ def covariance_selection(
     old_log_prob: Tensor,
     mask: Tensor,
     row_ids: Tensor,
+    draw_seed: int,
 ) -> MiniBatchStatistics:
     """The tokens ``clip_cov`` draws or ``kl_cov`` penalizes, over the whole mini-batch.
 
     ``advantages``, ``log_prob`` (current), ``old_log_prob``, ``mask``: ``[B, R]`` of this
-    rank's rows, inputs zeroed under the mask; ``row_ids``: ``[B]`` each row's place in
-    the mini-batch as dispatched (rank-major). Collective: every rank calls it.
+    rank's rows, inputs zeroed under the mask; ``row_ids``: ``[B]`` int64 each row's
+    identity (:func:`row_identities`); ``draw_seed``: ``clip_cov``'s
+    (:func:`clip_cov_seed`; ``kl_cov`` draws nothing). Collective: every rank calls it.
     """
     assert loss.statistic is Statistic.COVARIANCE
     mask = mask.bool()
@@ -130,8 +168,7 @@ def covariance_selection(
             cov < policy_option(policy, "clip_cov_ub")
         )
         positions = torch.arange(mask.shape[1], dtype=torch.int64)
-        seed = seed_of("clip_cov", place.job, place.step)
-        keys = draw_keys(seed, row_ids.to(torch.int64)[:, None], positions[None, :])  # [B, R]
+        keys = draw_keys(draw_seed, row_ids.to(torch.int64)[:, None], positions[None, :])  # [B, R]
     kth = global_kth_smallest(keys[chosen], max(share, 1), **place.phase(1))
     selected = (chosen & kth.select(keys)).to(torch.float32)
     return MiniBatchStatistics(

@@ -16,7 +16,11 @@ per mini-batch and before any forward:
    ``kl_cov``, a normalized ``bypass_mode``; :mod:`.policy_losses`), with
    ``statistics='mini_batch'``, a no-grad forward of the mini-batch gives the
    current log-probabilities and the statistic is reduced over every rank
-   (:mod:`.statistics`);
+   (:mod:`.statistics`). On the first mini-batch of a ``train_mini_batch`` call
+   whose ``old_log_prob`` the trainer says the actor recomputed for it
+   (:data:`OLD_LOG_PROBS_CURRENT_KEY`, which the trainer mode sets), the weights
+   are those that computed ``old_log_prob``: it is taken instead of the forward
+   (``reuse_old_log_prob``);
 4. the micro-batches run verl's engine with :func:`.loss.micro_batch_loss`,
    which divides by those normalizers, never by verl's ``batch_num_tokens``
    or ``global_batch_size``.
@@ -24,8 +28,9 @@ per mini-batch and before any forward:
 Bad input gets the same answer on every rank before any backward: a NaN or
 inf advantage, log-probability or importance weight at an active token makes
 this rank send a NaN partial, so it raises
-:class:`~lossreduce.errors.InvalidPartialError` naming itself, the input and
-its value, and its peers :class:`~lossreduce.errors.RoundAbortedError`
+:class:`~lossreduce.errors.InvalidPartialError` naming itself, the input, its
+value and its rows as the trainer dispatched them (whatever verl's split and
+``actor.shuffle`` did), and its peers :class:`~lossreduce.errors.RoundAbortedError`
 naming it. An empty mini-batch (no active token on any rank) raises
 :class:`~lossreduce.errors.EmptyNormalizerError` on every rank, or with
 ``on_empty_step='skip'`` runs no forward, backward or optimizer step: weights,
@@ -75,15 +80,17 @@ from lossreduce.trainer_worker.integrations.verl.parallel import computes_loss
 from lossreduce.trainer_worker.integrations.verl.plan import (
     POLICY_TERM,
     MiniBatchPlan,
-    bad_inputs,
+    dispatched_bad_inputs,
     plan_mini_batch,
 )
 from lossreduce.trainer_worker.integrations.verl.policy_losses import Statistic
 from lossreduce.trainer_worker.integrations.verl.statistics import (
     MiniBatchStatistics,
     StatsPlace,
+    clip_cov_seed,
     covariance_selection,
     mini_batch_importance_mean,
+    row_identities,
 )
 from lossreduce.trainer_worker.integrations.verl.worker_base import (
     STATS_SUFFIX,
@@ -98,11 +105,19 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
 __all__ = [
+    "OLD_LOG_PROBS_CURRENT_KEY",
     "LossReduceActorRolloutRefWorker",
     "LossReduceTrainingWorker",
     "RunClaim",
     "describe_claims",
 ]
+
+
+OLD_LOG_PROBS_CURRENT_KEY = "lossreduce_old_log_probs_current"
+"""The non-tensor field of an actor update's batch saying that its ``old_log_probs`` are
+the actor's own, computed for this update with its current weights (verl's recompute;
+not rollout correction's bypass mode, which takes the rollout's). The trainer mode sets
+it; absent, nothing is assumed."""
 
 
 class LossReduceTrainingWorker(ReducingTrainingWorker):
@@ -119,6 +134,9 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
         super().__init__(config, reduction)
         self.policy_reduction = self.reduction_settings.reduction
         self._run: PolicyLossRun | None = None
+        self._old_log_probs_current = False
+        """Whether the next mini-batch's old_log_probs are its current log-probabilities:
+        the first of a train_mini_batch call whose batch says so."""
 
     # -- the loss function ----------------------------------------------------------
 
@@ -174,14 +192,19 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
         ):
             if wanted:
                 inputs[name] = padded(data[name])
-        found = bad_inputs(
-            mask.cpu(), {k: v.cpu() for k, v in inputs.items()}, self.data_parallel()[0]
+        found = dispatched_bad_inputs(
+            mask.cpu(),
+            {k: v.cpu() for k, v in inputs.items()},
+            self.data_parallel()[0],
+            *self.dispatched_rows(data),
         )
         return plan, found
 
-    def statistics(self, data: Any, step: int) -> MiniBatchStatistics | None:
+    def statistics(self, data: Any, step: int, *, reuse: bool) -> MiniBatchStatistics | None:
         """The mini-batch's statistic, when its policy loss takes one over the whole
-        mini-batch (collective: every rank of the data-parallel group calls it)."""
+        mini-batch (collective: every rank of the data-parallel group calls it). ``reuse``:
+        take the mini-batch's ``old_log_probs`` as its current log-probabilities instead of
+        a forward (every rank decides alike: the batch's flag and the mini-batch's index)."""
         assert self._run is not None
         run = self._run
         loss = run.loss
@@ -195,7 +218,9 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
         ):
             return None
         mask = padded(data["response_mask"]).bool().cpu()  # [B, R]
-        current = self._current_log_probs(data)
+        if reuse and not computes_loss(self.engine):
+            return None  # as the forward would find: no loss on this pipeline stage
+        current = padded(data["old_log_probs"]).float() if reuse else self._current_log_probs(data)
         if current is None:
             return None  # a Megatron pipeline stage before the last: no loss here
         log_prob = current.cpu()  # [B, R]
@@ -206,20 +231,27 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
         )
         old = zero_masked(padded(data["old_log_probs"]).cpu().to(log_prob.dtype), mask)
         if loss.statistic is Statistic.IMPORTANCE_MEAN:
-            return mini_batch_importance_mean(
+            found = mini_batch_importance_mean(
                 correction, place, log_prob=log_prob, rollout_log_prob=old, mask=mask
             )
-        rows = mask.shape[0]
-        return covariance_selection(
-            loss,
-            run.config,
-            place,
-            advantages=zero_masked(padded(data["advantages"]).cpu().to(log_prob.dtype), mask),
-            log_prob=zero_masked(log_prob, mask),
-            old_log_prob=old,
-            mask=mask,
-            row_ids=rank * rows + torch.arange(rows, dtype=torch.int64),
-        )
+        else:
+            found = covariance_selection(
+                loss,
+                run.config,
+                place,
+                advantages=zero_masked(padded(data["advantages"]).cpu().to(log_prob.dtype), mask),
+                log_prob=zero_masked(log_prob, mask),
+                old_log_prob=old,
+                mask=mask,
+                row_ids=_row_identities(data),
+                # The job as configured, not the run-qualified one the rounds carry: a
+                # rerun and a resumed run (each a run of its own) draw what the first drew.
+                draw_seed=clip_cov_seed(
+                    self.reduction_settings.job, run.config.data_loader_seed, step
+                ),
+            )
+        skipped = {"lossreduce/stats/forward_skipped": float(reuse)}
+        return dataclasses.replace(found, metrics={**(found.metrics or {}), **skipped})
 
     def _current_log_probs(self, data: Any) -> torch.Tensor | None:
         """``[B, R]`` log-probabilities of the mini-batch's responses under the current
@@ -251,6 +283,19 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
     @register(  # type: ignore[untyped-decorator]
         dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False
     )
+    def train_mini_batch(self, data: Any) -> Any:
+        """verl's PPO update of one batch (its mini-batches and epochs); its first
+        mini-batch reuses ``old_log_probs`` for the statistics where the batch says they
+        are current (:data:`OLD_LOG_PROBS_CURRENT_KEY`)."""
+        self._old_log_probs_current = bool(tu.get(data, OLD_LOG_PROBS_CURRENT_KEY, default=False))
+        try:
+            return super().train_mini_batch(data)
+        finally:
+            self._old_log_probs_current = False
+
+    @register(  # type: ignore[untyped-decorator]
+        dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False
+    )
     def train_batch(self, data: Any) -> Any:
         """One PPO mini-batch (one optimizer step) normalized by lossreduce."""
         if self._run is None:
@@ -259,6 +304,9 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
             )
         assert self._run is not None
         step = self.next_round()
+        # Only the first mini-batch of the call has the weights old_log_probs came from.
+        reuse = self._old_log_probs_current and self.reduction_settings.reuse_old_log_prob
+        self._old_log_probs_current = False
         plan, bad = self.plan(data)
         started = time.perf_counter()
         totals = self.reduce(step, plan.partials, plan.contracts, bad, POLICY_TERM)
@@ -266,7 +314,7 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
         self.last_normalizers = totals
         if totals is None:
             return self.skipped(data)
-        stats = self.statistics(data, step)
+        stats = self.statistics(data, step, reuse=reuse)
         run = self._run
         if stats is not None and stats.importance_mean is not None:
             run = dataclasses.replace(run, importance_mean=stats.importance_mean)
@@ -281,6 +329,19 @@ class LossReduceTrainingWorker(ReducingTrainingWorker):
             if stats is not None and stats.metrics:
                 metrics.update(stats.metrics)
         return output
+
+
+def _row_identities(data: Any) -> torch.Tensor:
+    """``[B]``: :func:`~.statistics.row_identities` of the mini-batch's rows, from their
+    tokens without padding (``input_ids``, nested as verl's trainer sends it, or padded
+    under ``attention_mask``)."""
+    ids = data["input_ids"]
+    if ids.is_nested:
+        return row_identities(ids.values().cpu(), ids.offsets().cpu())
+    kept = data["attention_mask"].bool().cpu()  # [B, L]
+    lengths = kept.sum(-1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return row_identities(ids.cpu()[kept], offsets)
 
 
 class LossReduceActorRolloutRefWorker(ActorRolloutRefWorker):  # type: ignore[misc]

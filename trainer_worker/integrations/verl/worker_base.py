@@ -4,8 +4,10 @@
 a lossreduce worker that do not depend on the loss: the settings, the run's
 identity and claim, the normalizer backends (the main one, and one of its own for
 the mini-batch statistics), the round counter kept with verl's checkpoint, one
-round per mini-batch whose answer (or error) is the same on every rank, and the
-skipped empty mini-batch. The actor (:class:`~.worker.LossReduceTrainingWorker`)
+round per mini-batch whose answer (or error) is the same on every rank, the skipped
+empty mini-batch, and each row's place in the batch the trainer dispatched, carried
+through verl's split and shuffle (:data:`DISPATCHED_ROW_KEY`) for the errors that name
+rows. The actor (:class:`~.worker.LossReduceTrainingWorker`)
 and the critic (:class:`~.critic.LossReduceCriticWorker`) add their plan and loss.
 """
 
@@ -16,7 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.base.decorator import (
+    Dispatch,
+    make_nd_compute_dataproto_dispatch_fn,
+    register,
+)
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 
@@ -41,6 +47,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
+    "DISPATCHED_ROW_KEY",
+    "DISPATCHED_SHARE_KEY",
     "STATS_SUFFIX",
     "ReducingTrainingWorker",
     "RunClaim",
@@ -51,6 +59,14 @@ __all__ = [
 STATS_SUFFIX = ".stats"
 """The mini-batch statistics reduce in a group of their own, ``<group>.stats`` (after
 the rank's position: ``actor.sp1.stats``), with a round numbering of their own."""
+
+DISPATCHED_ROW_KEY = "lossreduce_dispatched_row"
+"""The batch field holding each row's index in the batch the trainer sent
+(``update_actor``, the critic's ``train_mini_batch``; ``[B]`` int64), attached before
+verl's data loader splits the rank's share into mini-batches and (with ``shuffle``)
+reorders it: an error names the rows where the user finds them."""
+DISPATCHED_SHARE_KEY = "lossreduce_dispatched_share"
+"""The batch's non-tensor field holding how many rows the rank was sent."""
 
 
 class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
@@ -159,6 +175,32 @@ class ReducingTrainingWorker(TrainingWorker):  # type: ignore[misc]
     def close(self) -> None:
         """Close the coordinator clients, if any; the next mini-batch opens new ones."""
         self.rounds.close()
+
+    # -- the rows as the trainer dispatched them ----------------------------------------
+
+    @register(  # type: ignore[untyped-decorator]
+        dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False
+    )
+    def train_mini_batch(self, data: Any) -> Any:
+        """verl's, with each row's index in the batch the trainer sent attached first
+        (:data:`DISPATCHED_ROW_KEY`): verl's dispatch gives data-parallel rank ``r`` the
+        ``r``-th of equal chunks, in order."""
+        rank, _ = self.data_parallel()
+        share = int(data.shape[0])
+        data[DISPATCHED_ROW_KEY] = rank * share + torch.arange(share, dtype=torch.int64)
+        tu.assign_non_tensor(data, **{DISPATCHED_SHARE_KEY: share})
+        return super().train_mini_batch(data)
+
+    def dispatched_rows(self, data: Any) -> tuple[Tensor, int]:
+        """``([B] int64, share)``: each row of the mini-batch ``data``'s index in the batch
+        the trainer sent, and how many rows of it this rank was sent. A mini-batch given to
+        ``train_batch`` directly counts as that batch (its rows in their order)."""
+        rows = data.get(DISPATCHED_ROW_KEY, None)
+        if rows is None:
+            rank, _ = self.data_parallel()
+            share = int(data.shape[0])
+            return rank * share + torch.arange(share, dtype=torch.int64), share
+        return rows.cpu(), int(tu.get(data, DISPATCHED_SHARE_KEY))
 
     # -- one mini-batch's round -------------------------------------------------------
 

@@ -24,6 +24,7 @@ from lossreduce.trainer_worker.cpu_standins.verl.launch import (
 )
 
 __all__ = [
+    "CLIP_COV",
     "COMPUTE_IN_FLOAT32",
     "LOSSREDUCE",
     "ONE_MINI_BATCH",
@@ -54,6 +55,18 @@ TOKEN_MEAN = ["trainer.v1.trainer_mode=lossreduce", "+actor_rollout_ref.lossredu
 ONE_MINI_BATCH = 4
 """``ppo_mini_batch_size`` of one mini-batch a step: with two, the split follows the order
 in which the agent loop's responses finish, which varies from run to run."""
+CLIP_COV = [
+    "trainer.v1.trainer_mode=lossreduce",
+    "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+    # A share of 0.2 of the mini-batch's tokens among those of covariance in (0, 10):
+    # several tokens drawn among more candidates, so another draw changes the update.
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.2",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_lb=0.0",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ub=10.0",
+    "+actor_rollout_ref.lossreduce.statistics=mini_batch",
+]
+"""The trainer mode with ``clip_cov``, its draw taken over the whole mini-batch (lossreduce's
+default ``statistics``, said explicitly): the uninterrupted run and the resumed ones."""
 
 
 def documented_command(work: str = "$WORK") -> str:

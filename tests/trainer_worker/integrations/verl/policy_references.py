@@ -266,7 +266,8 @@ def clip_cov_draw(
     current log-probabilities over the active tokens, each token's covariance, the
     candidates (in ``(clip_cov_lb, clip_cov_ub)``, not clipped by PPO), and the
     ``max(1, int(clip_cov_ratio * N))`` candidates of smallest key, each key drawn from
-    (job, round, the row's place in the mini-batch, the position)."""
+    (the job as configured, without any run id; ``config.data_loader_seed``; the round;
+    the row's identity from its tokens, :func:`row_identity`; the position)."""
     from fractions import Fraction
 
     from lossreduce.trainer_worker.token_stats import draw_keys, seed_of
@@ -287,9 +288,13 @@ def clip_cov_draw(
     clipped = -adv * ratio.clamp(1 - config.clip_ratio, 1 + config.clip_ratio) > -adv * ratio
     candidates = mask & ~clipped & (cov > policy.clip_cov_lb) & (cov < policy.clip_cov_ub)
     k = max(int(policy.clip_cov_ratio * int(mask.sum())), 1)
+    rows = [
+        row_identity(batch.input_ids[i][batch.attention_mask[i].bool()].tolist())
+        for i in range(batch.size)
+    ]
     keys = draw_keys(
-        seed_of("clip_cov", job, step),
-        torch.arange(batch.size)[:, None],
+        seed_of("clip_cov", job, config.data_loader_seed, step),
+        torch.tensor(rows, dtype=torch.int64)[:, None],
         torch.arange(mask.shape[1])[None, :],
     )
     drawn = torch.zeros(mask.shape, dtype=torch.bool)
@@ -298,3 +303,23 @@ def clip_cov_draw(
     ]:
         drawn[i, t] = True
     return drawn
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer of ``x + golden`` on Python integers modulo ``2**64``."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def row_identity(tokens: list[int]) -> int:
+    """A row's identity as the draw keys it, from its tokens (prompt and response, no
+    padding): ``mix64(L ^ sum_t mix64(mix64(t) ^ x[t]))`` modulo ``2**64``, written here on
+    Python integers, as a signed int64."""
+    total = sum(_mix64(_mix64(t) ^ x) for t, x in enumerate(tokens)) & _MASK64
+    value = _mix64(len(tokens) ^ total)
+    return value - (1 << 64) if value >> 63 else value

@@ -14,8 +14,7 @@ round differently in every bfloat16 matmul of the backward, and bfloat16 runs on
 CPU differ run to run by about as much (6.5e-5 in the gradient norm, either side).
 In float32 they agree to 1e-7 (the gradient norms were identical where measured).
 
-Two launches, 1 to 2 minutes each on 2 cores; the lossreduce one (conftest's
-``token_mean_float32``, 3 steps) is shared with ``test_main_ppo_resume.py``.
+Two launches, 1 to 2 minutes each on 2 cores.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import pytest
 from tests.trainer_worker.integrations.verl.main_ppo_launch import (
     COMPUTE_IN_FLOAT32,
     ONE_MINI_BATCH,
+    TOKEN_MEAN,
     Launch,
     launched,
     step_data,
@@ -47,18 +47,21 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def ab_runs(
-    tmp_path_factory: pytest.TempPathFactory, token_mean_float32: Launch
-) -> tuple[Launch, Launch]:
+def ab_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Launch, Launch]:
     stock = launched(
         tmp_path_factory.mktemp("stock"),
         [*COMPUTE_IN_FLOAT32, "actor_rollout_ref.actor.loss_agg_mode=token-mean"],
         STEPS,
         mini_batch_size=ONE_MINI_BATCH,
     )
-    # The lossreduce side is the session's uninterrupted token_mean run (its first
-    # STEPS steps; the resume tests compare their step 3 with its third).
-    return stock, token_mean_float32
+    # The trainer mode in token_mean with the torch normalizer.
+    ours = launched(
+        tmp_path_factory.mktemp("token-mean"),
+        [*COMPUTE_IN_FLOAT32, *TOKEN_MEAN],
+        STEPS,
+        mini_batch_size=ONE_MINI_BATCH,
+    )
+    return stock, ours
 
 
 def test_stock_and_lossreduce_token_mean_give_the_same_first_update(

@@ -5,12 +5,17 @@
   in lossreduce's ``seq_mean`` (GSPO's own aggregation), PPO with GAE advantages
   (``algorithm.adv_estimator=gae``), so verl's critic trains too, through
   ``LossReduceCriticWorker`` with a normalizer of its own (group ``critic``).
-- **KL-Cov**: ``loss_mode=kl_cov`` with GRPO: the covariance and the top share taken
-  over the whole mini-batch (a no-grad forward, then the statistics' rounds through the
-  job's own coordinator actor, group ``actor.stats``).
+- **Clip-Cov**: ``loss_mode=clip_cov`` with GRPO (conftest's ``clip_cov_float32``, shared
+  with ``test_main_ppo_resume.py`` as its uninterrupted run): the covariance and the draw
+  taken over the whole mini-batch (a no-grad forward, then the statistics' rounds through
+  the job's own coordinator actor, group ``actor.stats``), in float32, one mini-batch a
+  step, so each mini-batch's statistic reuses ``old_log_prob`` (the trainer mode says the
+  actor recomputed it for this update) instead of a forward. ``kl_cov`` takes the same
+  pass and rounds (its top share instead of the draw), and the forward runs on a step's
+  later mini-batches; their tests are the worker's (``test_verl_policy_losses.py``).
 
-3 steps each, 2 mini-batches a step, on 2 gloo ranks, everything verl's own but the CPU
-rollout. 1 to 1.5 minutes a launch on 2 cores.
+3 steps each (GSPO: 2 mini-batches a step), on 2 gloo ranks, everything verl's own but
+the CPU rollout. 1 to 1.5 minutes a launch on 2 cores.
 """
 
 from __future__ import annotations
@@ -33,12 +38,6 @@ GSPO_WITH_CRITIC = [
     "trainer.v1.trainer_mode=lossreduce",
     "+actor_rollout_ref.lossreduce.mode=seq_mean",
 ]
-KL_COV = [
-    "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
-    "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.2",
-    "trainer.v1.trainer_mode=lossreduce",
-    "+actor_rollout_ref.lossreduce.normalizer=coordinator",
-]
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +45,10 @@ def gspo_run(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     return launched(tmp_path_factory.mktemp("gspo-critic"), GSPO_WITH_CRITIC, critic=True)
 
 
-@pytest.fixture(scope="module")
-def kl_cov_run(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return launched(tmp_path_factory.mktemp("kl-cov"), KL_COV)
-
-
-def _rounds(data: dict[str, float], role: str, step: int) -> None:
-    first = (step - 1) * MINI_BATCHES
+def _rounds(data: dict[str, float], role: str, step: int, mini_batches: int = MINI_BATCHES) -> None:
+    first = (step - 1) * mini_batches
     assert data[f"{role}/lossreduce/round_min"] == first
-    assert data[f"{role}/lossreduce/round_max"] == first + MINI_BATCHES - 1
+    assert data[f"{role}/lossreduce/round_max"] == first + mini_batches - 1
     assert data[f"{role}/lossreduce/skipped"] == 0.0
 
 
@@ -76,12 +70,19 @@ def test_the_critic_claims_its_group_at_start_up(gspo_run: Launch) -> None:
     assert "group 'actor' from round 0" in gspo_run.output
 
 
-def test_kl_cov_takes_its_statistic_over_each_mini_batch(kl_cov_run: Launch) -> None:
+def test_clip_cov_draws_over_each_whole_mini_batch(clip_cov_float32: Launch) -> None:
     for step in range(1, STEPS + 1):
-        data = step_data(kl_cov_run, step)
-        _rounds(data, "actor", step)
-        # max(1, int(0.2 * N)) of the mini-batch's N active tokens, at least one.
+        data = step_data(clip_cov_float32, step)
+        _rounds(data, "actor", step, mini_batches=1)
+        # max(1, int(0.2 * N)) of the mini-batch's N active tokens (more where a drawn
+        # token's twin, the same response to the same prompt, comes with it), drawn among
+        # more candidates: another draw would zero other tokens' loss.
         tokens = data["actor/lossreduce/stats/active_tokens"]
         assert tokens == data["actor/lossreduce/normalizer/pg"]
-        assert data["actor/lossreduce/stats/selected"] >= max(1, int(0.2 * tokens)) - 0.5
-    assert any(step_data(kl_cov_run, s)["actor/grad_norm"] > 0 for s in range(1, STEPS + 1))
+        drawn = data["actor/lossreduce/stats/selected"]
+        assert drawn >= max(1, int(0.2 * tokens))
+        assert data["actor/lossreduce/stats/candidates"] > drawn
+        # One mini-batch a step, whose old_log_prob the actor recomputed with the same
+        # weights (the trainer mode says so): its statistic reuses it, no forward.
+        assert data["actor/lossreduce/stats/forward_skipped"] == 1.0
+    assert all(step_data(clip_cov_float32, s)["actor/grad_norm"] > 0 for s in range(1, STEPS + 1))

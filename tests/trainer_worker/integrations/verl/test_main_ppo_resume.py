@@ -2,17 +2,25 @@
 
 A user's path past the first launch, on the CPU launch of :mod:`.main_ppo_launch` (3
 GRPO steps on 2 gloo ranks, in float32, one mini-batch a step so every step's split
-is the same from run to run): the trainer checkpoints every step
+is the same from run to run) with ``clip_cov``
+(:data:`~.main_ppo_launch.CLIP_COV`: a share of each mini-batch's tokens drawn among
+more candidates, their loss zeroed): the trainer checkpoints every step
 (``trainer.save_freq=1``), its driver is killed with SIGKILL as soon as checkpoint 2
 is complete, and the same command relaunched (``trainer.resume_mode=auto``) must
 continue at step 3 with round 2, under a run identity of its own, and train step 3
-exactly as a run that was never interrupted: to 1e-6 in float32, with the same seeds
-(relative, or 1e-7 absolute: the policy loss is a mean of terms of about ±0.7 that nearly
-cancel, and two uninterrupted runs already differ in it by about 1e-7 relative).
+exactly as a run that was never interrupted, the same tokens drawn: to 1e-6 in
+float32, with the same seeds (relative, or 1e-7 absolute: the policy loss is a mean of
+terms of about ±0.7 that nearly cancel, and two uninterrupted runs already differ in it
+by about 1e-7 relative). The draw is keyed by the job as configured (not the run id),
+verl's ``data_loader_seed`` and the round, so it holds across the kill, the new run and
+the job's name with or without the run id; keyed by the rounds' job (with the run id,
+as it was before), step 1 already differs from the uninterrupted run's.
 
 Both kinds of coordinator:
 
-- a ``lossreduce serve`` that outlives the launches, with an explicit job: the resumed
+- a ``lossreduce serve`` that outlives the launches, with an explicit job (named as
+  verl's default, ``verl-ppo``: the uninterrupted run's job without its run id, so both
+  draw with one key): the resumed
   run takes the group's claim over from the killed one. While the first launch runs,
   a second launch of the same command is refused with ``RunConflictError`` naming the
   first launch's run, at the end of its start-up, before any rollout;
@@ -21,9 +29,11 @@ Both kinds of coordinator:
   starts a coordinator of its own under a job of its own.
 
 Two launches of its own and a third refused at its start-up, each 1 to 2 minutes on 2
-cores; the uninterrupted run is conftest's ``token_mean_float32``, the A/B's lossreduce
-side. The coordinator actor's variant (two launches more) repeats the same kill and
-relaunch: it is marked ``extended`` and ``make test-all`` runs it.
+cores; the uninterrupted run is conftest's ``clip_cov_float32`` (the job's own
+coordinator actor, verl's default job), ``test_main_ppo_losses.py``'s Clip-Cov launch.
+The coordinator actor's variant (two launches more; exactly the uninterrupted run's
+command, killed and resumed) repeats the same kill and relaunch: it is marked
+``extended`` and ``make test-all`` runs it.
 """
 
 from __future__ import annotations
@@ -46,10 +56,10 @@ from tests.trainer_worker.integrations.verl.background_launch import (
     start,
 )
 from tests.trainer_worker.integrations.verl.main_ppo_launch import (
+    CLIP_COV,
     COMPUTE_IN_FLOAT32,
     ONE_MINI_BATCH,
     STEPS,
-    TOKEN_MEAN,
     Inputs,
     Launch,
     overrides,
@@ -61,12 +71,20 @@ from tests.trainer_worker.integrations.verl.test_main_ppo_ab import COMPARED
 pytestmark = pytest.mark.timeout(1500)
 
 KILLED_AFTER = 2
-JOB = "team-verl"
+JOB = "verl-ppo"
+"""The explicit job of the resume through ``lossreduce serve``: verl's default name, which
+the uninterrupted run's rounds carry with its run id (``verl-ppo-<run>``)."""
+# What the draw decides, besides the update's numbers (COMPARED).
+DRAWN = [
+    "actor/lossreduce/stats/selected",
+    "actor/lossreduce/stats/candidates",
+    "actor/lossreduce/stats/active_tokens",
+]
 LAUNCH_TIMEOUT_S = 600.0
 
 
 def command(inputs: Inputs, folder: Path, lossreduce: list[str]) -> list[str]:
-    """The uninterrupted run's launch (conftest's ``token_mean_float32``) through a
+    """The uninterrupted run's launch (conftest's ``clip_cov_float32``) through a
     coordinator, checkpointing every step to ``folder`` and resuming from there, plus
     ``lossreduce`` settings."""
     launch = [
@@ -77,7 +95,7 @@ def command(inputs: Inputs, folder: Path, lossreduce: list[str]) -> list[str]:
     return [
         *launch,
         *COMPUTE_IN_FLOAT32,
-        *TOKEN_MEAN,
+        *CLIP_COV,
         "+actor_rollout_ref.lossreduce.normalizer=coordinator",
         "trainer.save_freq=1",
         f"trainer.default_local_dir={checkpoint_of(folder)}",
@@ -150,10 +168,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(token_mean_float32: Launch) -> Launch:
-    """The same launch, never interrupted (the torch normalizer: which backend sums the
-    partials changes no number)."""
-    return token_mean_float32
+def reference(clip_cov_float32: Launch) -> Launch:
+    """The same launch, never interrupted, with verl's default job (its own coordinator
+    actor: which coordinator sums the partials changes no number)."""
+    return clip_cov_float32
 
 
 @dataclass(frozen=True)
@@ -217,9 +235,16 @@ def check_resume(run: Resume, reference: Launch) -> None:
     assert run.resumed_claim["step"] == "2"
     # Under a run identity of its own (drawn afresh: no run was set).
     assert run.resumed_claim["run"] != run.killed_run
-    # Steps 1-2 before the kill, and step 3 after the resume, are the uninterrupted run's.
+    # clip_cov drew tokens at step 3, among more candidates: another draw would zero
+    # other tokens' loss and move the numbers compared below.
+    drawn = step_data(reference, STEPS)
+    assert 1 <= drawn[DRAWN[0]] < drawn[DRAWN[1]], drawn
+    # Steps 1-2 before the kill, and step 3 after the resume, are the uninterrupted run's,
+    # the same tokens drawn.
     for launch, step in [(run.killed, 1), (run.killed, 2), (run.resumed, 3)]:
         mine, theirs = step_data_at(launch, step), step_data(reference, step)
+        for key in DRAWN:
+            assert mine[key] == theirs[key], (step, key, mine[key], theirs[key])
         for key in COMPARED:
             assert math.isclose(mine[key], theirs[key], rel_tol=1e-6, abs_tol=1e-7), (
                 step,
@@ -239,6 +264,7 @@ def test_the_uninterrupted_run_trained(reference: Launch) -> None:
     assert reference.returncode == 0, reference.output[-8000:]
     assert reference.logged == [1, 2, 3], reference.output[-4000:]
     assert step_data(reference, 1)["actor/grad_norm"] > 0
+    assert step_data(reference, 1)["actor/lossreduce/stats/selected"] >= 1
 
 
 def test_resumed_against_lossreduce_serve(with_serve: Served, reference: Launch) -> None:

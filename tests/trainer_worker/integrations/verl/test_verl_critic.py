@@ -50,7 +50,25 @@ def dp1_cases() -> list[Case]:
         # Stock verl's critic, the whole mini-batch in one call.
         Case("verl-critic", role="critic", worker="verl", micro=tiny_verl.BATCH),
         Case("verl-critic-mb2", role="critic", worker="verl", micro=2),
+        *bad_row_cases(1),
     ]
+
+
+def bad_row_cases(world: int) -> list[Case]:
+    """A NaN return in row 6 with 2 mini-batches a step, verl's loader shuffling each
+    rank's share (``critic.shuffle``) or not (2 ranks without: ``critic-nan``)."""
+    cases = [
+        critic(
+            f"critic-nan-dp{world}-shuffled",
+            batch="nan_return",
+            mini_batches=2,
+            shuffle=True,
+            loader_seed=tiny_verl.SHUFFLE_SEED,
+        )
+    ]
+    if world == 1:
+        cases.append(critic("critic-nan-dp1", batch="nan_return", mini_batches=2))
+    return cases
 
 
 def dp2_cases(target: str) -> list[Case]:
@@ -59,6 +77,7 @@ def dp2_cases(target: str) -> list[Case]:
         critic("critic-prompt_mean-dp2-mb2", "prompt_mean"),
         critic("critic-prompt_mean-dp2-dyn", "prompt_mean", dynamic=True),
         critic("critic-nan", "prompt_mean", batch="nan_return"),
+        *bad_row_cases(2),
         critic("critic-empty-raise", batch="all_masked"),
         critic("critic-empty-skip", batch="all_masked", on_empty_step="skip", optimizer="adamw"),
         critic("critic-rank1-masked", "seq_mean", batch="rank1_masked"),
@@ -127,6 +146,43 @@ def test_a_nan_return_stops_every_rank_before_any_backward(results: LayoutRuns) 
     assert peer["error"]["type"] == "RoundAbortedError", peer.get("traceback")
     for got in (culprit, peer):
         assert is_zero(got["update"])
+
+
+@pytest.mark.parametrize(
+    ("world", "case", "shuffle"),
+    [
+        (1, "critic-nan-dp1", False),
+        (1, "critic-nan-dp1-shuffled", True),
+        (2, "critic-nan", False),
+        (2, "critic-nan-dp2-shuffled", True),
+    ],
+)
+def test_a_bad_row_is_named_as_the_trainer_dispatched_it(
+    results: LayoutRuns, world: int, case: str, shuffle: bool
+) -> None:
+    """Row 6 of the batch, wherever verl's loader put it: in the second of two mini-batches
+    (one rank), reordered by ``critic.shuffle``."""
+    rank = world - 1
+    share = tiny_verl.BATCH // world
+    mine = 6 - rank * share
+    mini_batches = 1 if case == "critic-nan" else 2
+    if shuffle:
+        # The loader moved it (another mini-batch or place): a name read off the mini-batch
+        # the check sees, split in dispatch order, would name another row.
+        kept, moved = (
+            [(m, rows.index(mine)) for m, rows in enumerate(order) if mine in rows]
+            for order in (
+                tiny_verl.loader_order(
+                    share, mini_batches, rank, shuffle=flag, seed=tiny_verl.SHUFFLE_SEED
+                )
+                for flag in (False, True)
+            )
+        )
+        assert moved != kept
+    culprit = results.case(world, case, ok=False)[rank]
+    assert culprit["error"]["type"] == "InvalidPartialError", culprit.get("traceback")
+    assert tiny_verl.bad_row("returns", 6, world) in culprit["error"]["message"]
+    assert culprit["error"]["terms"] == ("vf",)
 
 
 def test_an_empty_critic_mini_batch_raises_everywhere_or_is_skipped(

@@ -24,7 +24,12 @@ from lossreduce.trainer_worker.integrations.verl.options import (
     engine_problems,
     raise_problems,
 )
-from lossreduce.trainer_worker.integrations.verl.plan import bad_inputs, group_ids, plan_mini_batch
+from lossreduce.trainer_worker.integrations.verl.plan import (
+    bad_inputs,
+    dispatched_bad_inputs,
+    group_ids,
+    plan_mini_batch,
+)
 from lossreduce.trainer_worker.integrations.verl.policy_losses import POLICY_LOSSES
 from lossreduce.trainer_worker.integrations.verl.settings import VerlReductionSettings
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
@@ -296,6 +301,22 @@ def test_bad_inputs_name_the_input_its_value_and_rows_and_ignore_masked_position
         "advantages: nan at 1 active tokens of rank 1 rows [0] (mini-batch rows [2])"
     ]
     assert bad_inputs(torch.tensor([[1, 0], [1, 0]]), {"advantages": adv}) == []
+
+
+def test_dispatched_bad_inputs_name_the_rows_as_the_trainer_sent_them() -> None:
+    """Rank 1 of two, sent rows 4-7 of 8; verl's loader handed it rows 6 and 4 in that
+    order: the bad rows are 6 and 4 of the batch, 2 and 0 of the rank's share."""
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([[math.nan, 0.0], [math.inf, 1.0]])
+    rows = torch.tensor([6, 4])
+    assert dispatched_bad_inputs(mask, {"advantages": adv}, 1, rows, 4) == [
+        "advantages: nan at 2 active tokens of rank 1 rows [0, 2] (mini-batch rows [4, 6])"
+    ]
+    # In dispatch order, the names are bad_inputs' own.
+    assert dispatched_bad_inputs(mask, {"advantages": adv}, 1, torch.tensor([2, 3]), 2) == (
+        bad_inputs(mask, {"advantages": adv}, rank=1)
+    )
+    assert dispatched_bad_inputs(torch.tensor([[0, 1], [0, 1]]), {"a": adv}, 1, rows, 4) == []
 
 
 # -- how a verl launch finds the worker -------------------------------------------------------

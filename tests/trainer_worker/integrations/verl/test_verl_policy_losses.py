@@ -15,7 +15,15 @@ verl's FSDP2 engine on CPU, with plain SGD at lr 1 (the update is minus the grad
   normalized ``bypass_mode`` next to lossreduce's invariance (and its ``per_call``
   scope, which is verl's behaviour);
 - the statistics' rounds through the coordinator, bit for bit with torch.distributed;
-  a rank whose share is empty taking part.
+  a rank whose share is empty taking part;
+- ``clip_cov``'s draw on a rerun: two launches of one config with verl's default job
+  (whose rounds carry each launch's run id) draw the same tokens, on 1 and 2 ranks, and
+  another ``actor.data_loader_seed`` draws others;
+- the statistics pass where it is free: with ``old_log_prob`` recomputed by the worker
+  itself (verl's ``compute_log_prob``) and the trainer mode's flag, a step's first
+  mini-batch takes its statistic from ``old_log_prob`` instead of a forward, and trains
+  as with the forward (``reuse_old_log_prob=False``): bit for bit on 2 ranks, to float32
+  rounding on 1 rank with micro-batches of 1 (where the two forwards differ by one step).
 """
 
 from __future__ import annotations
@@ -142,7 +150,65 @@ def split_mode(loss: str) -> str:
 
 
 CLIP_COV_JOB = "test-clip_cov"
-"""Every clip_cov case's job: the draw is seeded by (job, round), as one run's is."""
+"""Every clip_cov case's job: the draw is seeded by (job, data_loader_seed, round)."""
+DEFAULT_JOB = "verl-ppo"
+"""verl's default job, as the draw keys it: without the run id its rounds carry."""
+OTHER_LOADER_SEED = 7
+"""An ``actor.data_loader_seed`` other than verl's default 42."""
+# A rerun: clip_cov with the default job under two run ids (two launches), and a third
+# launch with another data_loader_seed. (name, run, data_loader_seed)
+RERUNS: list[tuple[str, str, int | None]] = [
+    ("clip_cov-rerun-a", "launch-a", None),
+    ("clip_cov-rerun-b", "launch-b", None),
+    ("clip_cov-rerun-seed", "launch-a", OTHER_LOADER_SEED),
+]
+
+
+REUSED = ["kl_cov", "clip_cov", "bypass_reinforce"]
+"""The losses whose statistic needs the current log-probabilities."""
+
+
+# layout name -> (ranks, micro-batch size, mini-batches) of the reuse cases, against the
+# recompute's inference micro-batches of 4.
+REUSE_LAYOUTS: dict[str, tuple[int, int, int]] = {
+    # The two forwards agree bit for bit; the second mini-batch runs the forward.
+    "dp2-mb2": (2, 2, 2),
+    # Training micro-batches of 1: the two forwards round one of the 22 tokens'
+    # log-probability differently (2.4e-7, one float32 step).
+    "dp1-mb1": (1, 1, 1),
+}
+
+
+def reuse_cases(world: int) -> list[Case]:
+    """Each of :data:`REUSED` in the :data:`REUSE_LAYOUTS` of ``world`` ranks,
+    ``old_log_prob`` recomputed by the worker and flagged current: reusing it on the first
+    mini-batch, and not."""
+    return [
+        loss_case(
+            f"{loss}-{'reused' if reuse else 'forward'}-{layout}",
+            loss,
+            split_mode(loss),
+            batch="default",
+            mini_batches=mini_batches,
+            recomputed=True,
+            reuse=reuse,
+            micro=micro,
+        )
+        for layout, (ranks, micro, mini_batches) in REUSE_LAYOUTS.items()
+        if ranks == world
+        for loss in REUSED
+        for reuse in (True, False)
+    ]
+
+
+def rerun_cases(world: int) -> list[Case]:
+    """:data:`RERUNS` on ``world`` ranks (micro-batches of 2 on one, of 1 on two)."""
+    return [
+        loss_case(
+            name, "clip_cov", "token_mean", job="", run=run, loader_seed=seed, micro=3 - world
+        )
+        for name, run, seed in RERUNS
+    ]
 
 
 def loss_case(name: str, loss: str, mode: str, **fields: Any) -> Case:
@@ -203,6 +269,8 @@ def dp1_cases() -> list[Case]:
         )
     ]
     cases += dependence_cases(1)
+    cases += rerun_cases(1)
+    cases += reuse_cases(1)
     return cases
 
 
@@ -265,6 +333,8 @@ def dp2_cases(target: str) -> list[Case]:
             for loss in ("kl_cov", "clip_cov", "bypass_reinforce", "geo_mean")
         ),
         loss_case("kl_cov-nan", "kl_cov", "token_mean", batch="near-nan_advantage"),
+        *rerun_cases(2),
+        *reuse_cases(2),
     ]
     return cases
 
@@ -280,7 +350,7 @@ def results(
     )
 
 
-def actor_config(loss: str) -> Any:
+def actor_config(loss: str, loader_seed: int | None = None) -> Any:
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
     loss_mode, options = LOSSES[loss]
@@ -291,6 +361,7 @@ def actor_config(loss: str) -> Any:
         clip_ratio=tiny_verl.CLIP,
         rollout_n=1,
         policy_loss=PolicyLossConfig(loss_mode=loss_mode, **dict(options)),
+        **({} if loader_seed is None else {"data_loader_seed": loader_seed}),
     )
 
 
@@ -367,6 +438,65 @@ def test_clip_covs_draw_is_the_documented_seeded_draw_in_every_layout(
             assert metrics["lossreduce/stats/selected"] == [4.0]
             assert metrics["lossreduce/stats/candidates"][0] > 4.0
             assert relative(got["update"], want) <= FORMULA_RTOL, split
+
+
+def test_clip_covs_draw_is_the_same_on_a_rerun_and_moves_with_the_data_loader_seed(
+    results: LayoutRuns, model_dir: Path
+) -> None:
+    """Two launches of one config with verl's default job run under run ids of their own
+    (their rounds' jobs differ) and draw the same tokens, those of the job without the run
+    id: the same update bit for bit, the formula's with those tokens zeroed, on 1 and 2
+    ranks. Another ``data_loader_seed`` draws other tokens (and moves the update)."""
+    rows = batch_of(Case("reference", batch="near"), model_dir)
+    want = {}
+    for seed in (None, OTHER_LOADER_SEED):
+        config = actor_config("clip_cov", seed)
+        drawn = policy_references.clip_cov_draw(model_dir, rows, config, DEFAULT_JOB)
+        assert int(drawn.sum()) == 4
+        want[seed] = clip_cov_reference(model_dir, rows, drawn)
+    assert relative(want[OTHER_LOADER_SEED], want[None]) >= SPLIT_DEPENDENT
+    for world in (1, 2):
+        first, second, other = (results.case(world, name) for name, _, _ in RERUNS)
+        for rank in range(world):
+            assert first[rank]["job"] == f"{DEFAULT_JOB}-launch-a"
+            assert second[rank]["job"] == f"{DEFAULT_JOB}-launch-b"
+            for name, delta in first[rank]["update"].items():
+                assert torch.equal(second[rank]["update"][name], delta), (world, rank, name)
+            assert relative(first[rank]["update"], want[None]) <= FORMULA_RTOL, (world, rank)
+            assert relative(other[rank]["update"], want[OTHER_LOADER_SEED]) <= FORMULA_RTOL
+            assert other[rank]["metrics"]["lossreduce/stats/selected"] == [4.0]
+
+
+@pytest.mark.parametrize("layout", list(REUSE_LAYOUTS))
+@pytest.mark.parametrize("loss", REUSED)
+def test_the_first_mini_batch_reuses_old_log_prob_and_trains_the_same(
+    results: LayoutRuns, loss: str, layout: str
+) -> None:
+    """The weights that recomputed old_log_prob train the first mini-batch: its statistic
+    from old_log_prob (no forward) equals the forward's, and a later mini-batch (moved
+    weights) runs the forward. Bit for bit where the two forwards agree bit for bit,
+    within float32 reordering where they differ by one rounding step: the same tokens
+    selected, the importance mean to 1e-6, the same update to 1e-6."""
+    world, _, mini_batches = REUSE_LAYOUTS[layout]
+    exact = layout == "dp2-mb2"
+    reused = results.case(world, f"{loss}-reused-{layout}")
+    forward = results.case(world, f"{loss}-forward-{layout}")
+    for rank in range(world):
+        ours, theirs = reused[rank]["metrics"], forward[rank]["metrics"]
+        assert ours["lossreduce/stats/forward_skipped"] == [1.0] + [0.0] * (mini_batches - 1)
+        assert theirs["lossreduce/stats/forward_skipped"] == [0.0] * mini_batches
+        stats = [k for k in theirs if k.startswith("lossreduce/stats/") and "skipped" not in k]
+        assert stats, theirs.keys()
+        for key in stats:
+            if exact or not key.endswith("importance_mean"):
+                assert ours[key] == theirs[key], (rank, key)
+            else:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-6), (rank, key)
+        if exact:
+            for name, delta in forward[rank]["update"].items():
+                assert torch.equal(reused[rank]["update"][name], delta), (rank, name)
+        else:
+            assert relative(reused[rank]["update"], forward[rank]["update"]) <= UPDATE_RTOL
 
 
 # -- the A/B against stock verl ---------------------------------------------------------------

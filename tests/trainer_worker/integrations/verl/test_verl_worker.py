@@ -119,6 +119,7 @@ def dp2_cases(target: str) -> list[Case]:
         # Bad input.
         Case("rank1-masked", mode="seq_mean", batch="rank1_masked"),
         Case("nan-advantage", mode="prompt_mean", batch="nan_advantage"),
+        *bad_row_cases(2),
         # Backends, epochs and mini-batches (the contract's cases are in test_contract.py).
         # No address: the ranks start or join the job's coordinator actor on their Ray cluster.
         Case("joined-coordinator", mode="prompt_mean", normalizer="coordinator"),
@@ -134,10 +135,27 @@ def dp2_cases(target: str) -> list[Case]:
     ]
 
 
+def bad_row_cases(world: int) -> list[Case]:
+    """A NaN advantage in row 6 with 2 mini-batches a step, verl's loader shuffling each
+    rank's share (``actor.shuffle``) or not (2 ranks without: ``nan-advantage``)."""
+    bad = {"mode": "prompt_mean", "batch": "nan_advantage", "mini_batches": 2}
+    shuffled = Case(
+        f"nan-advantage-dp{world}-shuffled",
+        shuffle=True,
+        loader_seed=tiny_verl.SHUFFLE_SEED,
+        **bad,  # type: ignore[arg-type]
+    )
+    cases = [shuffled]
+    if world == 1:
+        cases.append(Case("nan-advantage-dp1", **bad))  # type: ignore[arg-type]
+    return cases
+
+
 def dp1_cases() -> list[Case]:
     return [
         *split_cases(1),
         *verl_mode_cases(1),
+        *bad_row_cases(1),
         Case(
             "two-epochs-two-mini-batches",
             mode="prompt_mean",
@@ -312,6 +330,42 @@ def test_verls_modes_are_split_invariant_with_the_kl_and_entropy_on(
     (one,) = case_results(results, 1, f"verl-{agg}-dp1-mb4")
     for two in case_results(results, 2, f"verl-{agg}-dp2-mb2"):
         assert relative(two["update"], one["update"]) <= UPDATE_RTOL
+
+
+@pytest.mark.parametrize(
+    ("world", "case", "shuffle"),
+    [
+        (1, "nan-advantage-dp1", False),
+        (1, "nan-advantage-dp1-shuffled", True),
+        (2, "nan-advantage", False),
+        (2, "nan-advantage-dp2-shuffled", True),
+    ],
+)
+def test_a_bad_row_is_named_as_the_trainer_dispatched_it(
+    results: LayoutRuns, world: int, case: str, shuffle: bool
+) -> None:
+    """Row 6 of the batch, wherever verl's loader put it: in the second of two mini-batches
+    (one rank), reordered by ``actor.shuffle``."""
+    rank = world - 1
+    share = tiny_verl.BATCH // world
+    mine = 6 - rank * share
+    mini_batches = 1 if case == "nan-advantage" else 2
+    if shuffle:
+        # The loader moved it (another mini-batch or place): a name read off the mini-batch
+        # the check sees, split in dispatch order, would name another row.
+        kept, moved = (
+            [(m, rows.index(mine)) for m, rows in enumerate(order) if mine in rows]
+            for order in (
+                tiny_verl.loader_order(
+                    share, mini_batches, rank, shuffle=flag, seed=tiny_verl.SHUFFLE_SEED
+                )
+                for flag in (False, True)
+            )
+        )
+        assert moved != kept
+    culprit = case_results(results, world, case, ok=False)[rank]
+    assert culprit["error"]["type"] == "InvalidPartialError", culprit.get("traceback")
+    assert tiny_verl.bad_row("advantages", 6, world) in culprit["error"]["message"]
 
 
 def test_a_nan_advantage_fails_every_rank_before_any_backward_naming_the_rank(

@@ -136,11 +136,28 @@ def near_policy(batch: Rows, model_dir: Path, scale: float = 0.1) -> Rows:
     return dataclasses.replace(batch, old_log_probs=old, ref_log_prob=ref)
 
 
-def tensordict(batch: Rows, *, mini_batch_size: int, epochs: int = 1) -> Any:
+LOADER_SEED = 1
+"""The data loader's seed the trainer sends by default here (``actor.data_loader_seed``);
+verl's ``train_mini_batch`` shuffles rank ``r``'s share with ``seed + r``."""
+SHUFFLE_SEED = 9
+"""A loader seed whose shuffle moves row 6 (to another mini-batch or place) in two
+mini-batches on one rank and on rank 1 of two (:func:`loader_order`); seed 1 leaves it
+in place on rank 1."""
+
+
+def tensordict(
+    batch: Rows,
+    *,
+    mini_batch_size: int,
+    epochs: int = 1,
+    shuffle: bool = False,
+    seed: int = LOADER_SEED,
+) -> Any:
     """``batch`` as the TensorDict verl's trainer sends ``update_actor``.
 
     ``mini_batch_size`` is global (all ranks), as the trainer sets it:
-    ``ppo_mini_batch_size * rollout.n``.
+    ``ppo_mini_batch_size * rollout.n``; ``shuffle``: ``actor.shuffle`` (``critic.shuffle``);
+    ``seed``: ``actor.data_loader_seed`` (``critic.data_loader_seed``).
     """
     from tensordict import NonTensorStack, TensorDict
     from verl.utils import tensordict_utils as tu
@@ -175,12 +192,43 @@ def tensordict(batch: Rows, *, mini_batch_size: int, epochs: int = 1) -> Any:
         global_batch_size=mini_batch_size,
         mini_batch_size=mini_batch_size,
         epochs=epochs,
-        seed=1,
-        dataloader_kwargs={"shuffle": False},
+        seed=seed,
+        dataloader_kwargs={"shuffle": shuffle},
         compute_loss=True,
         temperature=1.0,
     )
     return td
+
+
+def loader_order(
+    share: int, mini_batches: int, rank: int, *, shuffle: bool, seed: int
+) -> list[list[int]]:
+    """The rows of rank ``rank``'s share (``0..share-1``, as dispatched) in the order of
+    the mini-batches verl's ``train_mini_batch`` makes of them (its own data loader, with
+    the trainer's ``seed``)."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    td = TensorDict({"row": torch.arange(share)}, batch_size=[share])
+    loader = tu.make_iterator(
+        td,
+        mini_batch_size=share // mini_batches,
+        epochs=1,
+        seed=seed + rank,
+        dataloader_kwargs={"shuffle": shuffle},
+    )
+    return [mini["row"].tolist() for mini in loader]
+
+
+def bad_row(name: str, row: int, world: int) -> str:
+    """The bad-input line naming row ``row`` of the batch as the trainer dispatched it
+    over ``world`` ranks (one bad token)."""
+    share = BATCH // world
+    rank = row // share
+    return (
+        f"{name}: nan at 1 active tokens of rank {rank} rows [{row - rank * share}] "
+        f"(mini-batch rows [{row}])"
+    )
 
 
 # -- the reference -----------------------------------------------------------------

@@ -89,6 +89,7 @@ class Case:
     optimizer: str = "sgd"  # sgd: the update is -LR * gradient; adamw: verl's default
     epochs: int = 1
     mini_batches: int = 1  # per train_mini_batch call
+    shuffle: bool = False  # actor.shuffle (critic.shuffle): verl's loader reorders each share
     kl: bool = True
     entropy_coeff: float = tiny_verl.ENTROPY_COEFF
     loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode
@@ -96,7 +97,15 @@ class Case:
     statistics: str = "mini_batch"
     role: str = "actor"  # or "critic": the value model and verl's value_loss
     seed: int = 0  # torch's seed before the worker is built (verl's own clip_cov draw)
-    job: str | None = None  # the rounds' job; None: test-<name>
+    job: str | None = None  # the rounds' job; None: test-<name>; "": verl's default (the run's)
+    run: str | None = None  # the run id; None: rank 0 draws one, as a launch does
+    # actor.data_loader_seed (critic's): the config's (None: verl's default, 42) and the
+    # seed the trainer sends with the batch (None: tiny_verl.LOADER_SEED)
+    loader_seed: int | None = None
+    # old_log_probs recomputed by the worker itself before the step (verl's
+    # compute_log_prob), and the trainer mode's flag saying so; reuse_old_log_prob.
+    recomputed: bool = False
+    reuse: bool = True
     ulysses: int = 1  # ulysses_sequence_parallel_size (> 1: packed rows, the CPU stand-ins)
 
 
@@ -205,6 +214,7 @@ def case_loss(case: Case, strategy: str) -> Any:
         entropy_coeff=case.entropy_coeff,
         clip_ratio=tiny_verl.CLIP,
         policy_loss=PolicyLossConfig(loss_mode=case.loss_mode, **dict(case.policy_loss)),
+        **({} if case.loader_seed is None else {"data_loader_seed": case.loader_seed}),
     )
     return partial(ppo_loss, config=actor)
 
@@ -226,17 +236,19 @@ def ready_worker(case: Case, config: Any, loss: Any) -> Any:
         )
 
         mode_key, divisor_key = ("critic_mode", "critic_divisor") if critic else ("mode", "divisor")
-        settings = VerlReductionSettings.model_validate(
-            {
-                mode_key: case.mode,
-                divisor_key: case.divisor,
-                "normalizer": case.normalizer,
-                "coordinator": case.coordinator,
-                "on_empty_step": case.on_empty_step,
-                "statistics": case.statistics,
-                "job": case.job or f"test-{case.name}",
-            }
-        )
+        fields: dict[str, Any] = {
+            mode_key: case.mode,
+            divisor_key: case.divisor,
+            "normalizer": case.normalizer,
+            "coordinator": case.coordinator,
+            "on_empty_step": case.on_empty_step,
+            "statistics": case.statistics,
+            "run": case.run,
+            "reuse_old_log_prob": case.reuse,
+        }
+        if case.job != "":
+            fields["job"] = case.job or f"test-{case.name}"
+        settings = VerlReductionSettings.model_validate(fields)
         cls = LossReduceCriticWorker if critic else LossReduceTrainingWorker
         worker = cls(config, reduction=settings)
     worker.reset()
@@ -266,14 +278,44 @@ def _optimizer_state(worker: Any) -> dict[str, Any]:
     }
 
 
+def recomputed_old_log_probs(worker: Any, rows: tiny_verl.Rows) -> torch.Tensor:
+    """``[B, R]``: the log-probabilities of ``rows``' responses under the worker's current
+    weights, as verl's trainer recomputes ``old_log_prob`` (``compute_log_prob``: the
+    worker's ``infer_batch``, in eval mode, in inference micro-batches of 4, not the
+    training's)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    probe = tiny_verl.tensordict(rows, mini_batch_size=rows.size)
+    tu.assign_non_tensor(
+        probe, compute_loss=False, calculate_entropy=False, micro_batch_size_per_gpu=4
+    )
+    found = no_padding_2_padding(worker.infer_batch(probe)["log_probs"], probe).float()
+    out = torch.zeros(rows.old_log_probs.shape)
+    out[:, : found.shape[1]] = found
+    return out
+
+
 def run_case(case: Case, rank: int, world: int, model_dir: Path) -> dict[str, Any]:
     worker = _worker(case, model_dir)
+    # The ranks of one sequence-parallel group hold the same rows.
+    rows = tiny_verl.shard(batch_of(case, model_dir), rank // case.ulysses, world // case.ulysses)
+    if case.recomputed:
+        rows = dataclasses.replace(rows, old_log_probs=recomputed_old_log_probs(worker, rows))
     data = tiny_verl.tensordict(
-        # The ranks of one sequence-parallel group hold the same rows.
-        tiny_verl.shard(batch_of(case, model_dir), rank // case.ulysses, world // case.ulysses),
+        rows,
         mini_batch_size=tiny_verl.BATCH // case.mini_batches,
         epochs=case.epochs,
+        shuffle=case.shuffle,
+        seed=tiny_verl.LOADER_SEED if case.loader_seed is None else case.loader_seed,
     )
+    if case.recomputed:
+        from verl.utils import tensordict_utils as tu
+
+        from lossreduce.trainer_worker.integrations.verl.worker import OLD_LOG_PROBS_CURRENT_KEY
+
+        # What the trainer mode tells the actor when it recomputed old_log_prob.
+        tu.assign_non_tensor(data, **{OLD_LOG_PROBS_CURRENT_KEY: True})
     result = measured_step(
         worker,
         data,
@@ -323,6 +365,9 @@ def measured_step(
     result["skipped_steps"] = getattr(worker, "skipped_steps", None)
     rounds = getattr(worker, "rounds", None)
     result["group"] = None if rounds is None else rounds.group()
+    # The job the rounds carried (the default job carries the run id); resolved by then
+    # wherever a round ran (resolving it here could be a collective a failed peer skips).
+    result["job"] = rounds.job if rounds is not None and rounds.started else None
     return result
 
 
