@@ -32,7 +32,6 @@ claim and the round counter in the checkpoint are :class:`~.rounds.SkyRLRoundsMi
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import torch
@@ -86,10 +85,7 @@ class LossReduceCriticWorker(SkyRLRoundsMixin, FSDPCriticWorkerBase):  # type: i
         """One critic mini-batch share, normalized by lossreduce (see the module)."""
         step = self.rounds.next_step()
         plan, bad = self.plan(data)
-        started = time.perf_counter()
-        totals = self.rounds.reduce(step, plan.partials, plan.contracts, bad, VALUE_TERM)
-        latency = time.perf_counter() - started
-        self._note_round(totals)
+        totals, latency = self._take_round(step, plan, bad, VALUE_TERM)
         if totals is None:
             return WorkerOutput(metrics=round_metrics(step, {}, latency, skipped=True))
         output = self._micro_batches(_normalized(data, row_scales(plan, totals)[VALUE_TERM]))

@@ -11,6 +11,7 @@ step after a skipped empty mini-batch into nothing.
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -31,7 +32,7 @@ from lossreduce.trainer_worker.integrations.worker_rounds import (
     round_file,
 )
 from lossreduce.trainer_worker.policy_gradient import PolicyGradientMode, PolicyGradientReduction
-from lossreduce.trainer_worker.step_rows import StepRows
+from lossreduce.trainer_worker.step_rows import StepRows, TermPlan
 
 __all__ = ["SkyRLRoundsMixin"]
 
@@ -163,10 +164,17 @@ class SkyRLRoundsMixin:
         keys = [str(g) for g in groups.cpu().tolist()]
         return gather_rows(keys, tokens, world=dp.size, group=dp.group), dp.rank
 
-    def _note_round(self, totals: dict[str, float] | None) -> None:
-        """Record a mini-batch's round: its normalizers, or (None) a skipped empty
-        mini-batch, whose optimizer step then does nothing."""
+    def _take_round(
+        self, step: int, plan: TermPlan, bad: list[str], term: str
+    ) -> tuple[dict[str, float] | None, float]:
+        """Reduce a mini-batch's round (``bad`` poisons ``term``) and record it: its
+        normalizers, or (None) a skipped empty mini-batch, whose optimizer step then does
+        nothing. Also the round's latency in seconds."""
+        started = time.perf_counter()
+        totals = self.rounds.reduce(step, plan.partials, plan.contracts, bad, term)
+        latency = time.perf_counter() - started
         self.last_normalizers = totals
         self._skip_optimizer_step = totals is None
         if totals is None:
             self.skipped_steps += 1
+        return totals, latency

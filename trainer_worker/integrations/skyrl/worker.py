@@ -34,7 +34,6 @@ checkpoint and ``load_checkpoint`` restores it.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -130,10 +129,7 @@ class LossReducePolicyWorker(SkyRLRoundsMixin, FSDPPolicyWorkerBase):  # type: i
             )
         step = self.rounds.next_step()
         plan, bad = self.plan(data)
-        started = time.perf_counter()
-        totals = self.rounds.reduce(step, plan.partials, plan.contracts, bad, POLICY_TERM)
-        latency = time.perf_counter() - started
-        self._note_round(totals)
+        totals, latency = self._take_round(step, plan, bad, POLICY_TERM)
         if totals is None:
             return WorkerOutput(metrics=round_metrics(step, {}, latency, skipped=True))
         scales = row_scales(plan, totals)

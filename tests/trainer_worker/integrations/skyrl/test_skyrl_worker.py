@@ -367,16 +367,7 @@ def test_an_empty_mini_batch_is_refused_on_every_rank_through_the_coordinator(
 def test_an_empty_mini_batch_is_skipped_on_every_rank_without_an_optimizer_step(
     results: Results,
 ) -> None:
-    for rank in ok(results, "dp2-mb2", "empty-skip"):
-        assert rank["skipped_steps"] == 1
-        assert rank["normalizers"] is None
-        assert rank["grad_norm"] is None
-        assert rank["optimizer_steps"] == 0
-        assert all(not bool(delta.any()) for delta in rank["update"].values())
-        assert rank["metrics"]["lossreduce/skipped"] == 1.0
-    for rank in ok(results, "dp2-mb2", "adamw-step"):  # the same step, not empty, does move
-        assert rank["optimizer_steps"] > 0
-        assert any(bool(delta.any()) for delta in rank["update"].values())
+    _skipped_without_a_step(results, "empty-skip", "adamw-step")
 
 
 # -- the critic: SkyRL's value loss as the term vf --------------------------------------
@@ -489,13 +480,19 @@ def test_an_empty_critic_mini_batch_is_refused_on_every_rank_through_the_coordin
 def test_an_empty_critic_mini_batch_is_skipped_on_every_rank_without_an_optimizer_step(
     results: Results,
 ) -> None:
-    for rank in ok(results, "dp2-mb2", "critic-empty-skip"):
+    _skipped_without_a_step(results, "critic-empty-skip", "critic-adamw-step")
+
+
+def _skipped_without_a_step(results: Results, empty: str, same_step: str) -> None:
+    """Case ``empty`` skipped its mini-batch on both ranks: no normalizers, no gradient,
+    no optimizer step, no change; case ``same_step``, the same step not empty, does move."""
+    for rank in ok(results, "dp2-mb2", empty):
         assert rank["skipped_steps"] == 1
         assert rank["normalizers"] is None
         assert rank["grad_norm"] is None
         assert rank["optimizer_steps"] == 0
         assert all(not bool(delta.any()) for delta in rank["update"].values())
         assert rank["metrics"]["lossreduce/skipped"] == 1.0
-    for rank in ok(results, "dp2-mb2", "critic-adamw-step"):  # not empty: it does move
+    for rank in ok(results, "dp2-mb2", same_step):
         assert rank["optimizer_steps"] > 0
         assert any(bool(delta.any()) for delta in rank["update"].values())

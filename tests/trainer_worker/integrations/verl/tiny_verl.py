@@ -220,6 +220,24 @@ def loader_order(
     return [mini["row"].tolist() for mini in loader]
 
 
+def shuffle_moves(row: int, world: int, mini_batches: int) -> bool:
+    """Whether verl's loader, shuffling with :data:`SHUFFLE_SEED`, puts row ``row`` of the
+    batch (dispatched over ``world`` ranks, on the last of them) in another mini-batch or
+    place than without the shuffle: where it does, a name read off the mini-batch the check
+    sees, split in dispatch order, would name another row."""
+    rank = world - 1
+    share = BATCH // world
+    mine = row - rank * share
+    kept, moved = (
+        [(m, rows.index(mine)) for m, rows in enumerate(order) if mine in rows]
+        for order in (
+            loader_order(share, mini_batches, rank, shuffle=flag, seed=SHUFFLE_SEED)
+            for flag in (False, True)
+        )
+    )
+    return moved != kept
+
+
 def bad_row(name: str, row: int, world: int) -> str:
     """The bad-input line naming row ``row`` of the batch as the trainer dispatched it
     over ``world`` ranks (one bad token)."""
